@@ -1,0 +1,30 @@
+# Two commands do all set-up: `make test` and `make book`. Both create .venv from the pin file.
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed-stamp
+
+.PHONY: test unit nbval book clean
+
+$(STAMP): requirements-pinned.txt pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -r requirements-pinned.txt
+	$(PY) -m pip install --quiet --no-deps --no-build-isolation -e .
+	touch $(STAMP)
+
+test: unit nbval
+
+unit: $(STAMP)
+	$(PY) -m pytest tests
+
+nbval: $(STAMP)
+	$(PY) -m pytest -p no:cacheprovider --nbval notebooks --nbval-sanitize-with notebooks/nbval-sanitize.cfg
+
+book: $(STAMP)
+	$(PY) .ci/check_notebooks.py notebooks
+	rm -rf _build/html
+	$(VENV)/bin/jupyter-book build . -W -n --keep-going
+
+clean:
+	rm -rf _build $(VENV)

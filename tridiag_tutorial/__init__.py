@@ -1,0 +1,17 @@
+"""tridiag_tutorial: a differentiable tridiagonal solver for PyTorch, and the book that builds it.
+
+The public face is :func:`tridiagonal_solve`; chapters import the modules that hold each stage:
+
+- :mod:`tridiag_tutorial.lapack`: LAPACK ``?gtsv``, ``?gttrf``, ``?gttrs`` through SciPy;
+- :mod:`tridiag_tutorial.rules`: the backward and forward-mode formulas (chapter 3);
+- :mod:`tridiag_tutorial.reference`: dense references for tests and chapters;
+- :mod:`tridiag_tutorial.ops`: the final op.
+"""
+
+from .ops import tridiagonal_solve as tridiagonal_solve
+from .reference import dense_solve as dense_solve
+from .reference import to_dense as to_dense
+from .rules import tridiag_matmul as tridiag_matmul
+
+__all__ = ["tridiagonal_solve", "dense_solve", "to_dense", "tridiag_matmul"]
+__version__ = "0.1.0"

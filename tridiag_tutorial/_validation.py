@@ -1,0 +1,121 @@
+"""One place that checks and broadcasts the inputs of every entry point.
+
+Convention (the same as LAPACK's ``?gtsv``, SciPy and JAX), for an ``n x n`` matrix ``A``::
+
+    lower[..., i] = A[i+1, i]    shape (..., n-1)
+    diag[..., i]  = A[i, i]      shape (..., n)
+    upper[..., i] = A[i, i+1]    shape (..., n-1)
+
+``rhs`` is one vector per system, shape ``(..., n)``, when ``rhs.ndim == diag.ndim``, and ``k``
+columns per system, shape ``(..., n, k)``, when ``rhs.ndim == diag.ndim + 1``. The batch
+dimensions ``...`` of the four inputs broadcast against each other.
+
+Nothing below this module checks its inputs again: the kernels receive four tensors of one dtype,
+on one device, with the same batch shape and a matrix right-hand side ``(*batch, n, k)``.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+__all__ = ["SUPPORTED_DTYPES", "Problem", "validate"]
+
+SUPPORTED_DTYPES = (torch.float32, torch.float64, torch.complex64, torch.complex128)
+_NAMES = ("lower", "diag", "upper", "rhs")
+
+
+class Problem(NamedTuple):
+    """Validated inputs, broadcast to one batch shape (views: nothing is copied)."""
+
+    lower: torch.Tensor  # (*batch, n-1)
+    diag: torch.Tensor  # (*batch, n)
+    upper: torch.Tensor  # (*batch, n-1)
+    rhs: torch.Tensor  # (*batch, n, k): always a matrix
+    vector_rhs: bool  # True when the caller gave (..., n): the result drops the k axis again
+    batch_shape: torch.Size
+    n: int
+
+
+def _describe(tensors) -> str:
+    return ", ".join(f"{name}{tuple(t.shape)}" for name, t in zip(_NAMES, tensors))
+
+
+def validate(lower, diag, upper, rhs, *, name: str = "tridiagonal_solve") -> Problem:
+    """Check ``(lower, diag, upper, rhs)`` and broadcast their batch dimensions.
+
+    Raises:
+        TypeError: an argument is not a tensor; dtypes differ; a dtype is not float32, float64,
+            complex64 or complex128 (integers, bool and half precision are refused rather than
+            silently promoted).
+        ValueError: devices differ; the band lengths do not fit ``n = diag.shape[-1]``; ``rhs``
+            has neither ``diag.ndim`` nor ``diag.ndim + 1`` dimensions; batch shapes do not
+            broadcast.
+    """
+    tensors = (lower, diag, upper, rhs)
+    for arg, t in zip(_NAMES, tensors):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name}: {arg} must be a torch.Tensor, got {type(t).__name__}")
+
+    dtypes = {t.dtype for t in tensors}
+    if len(dtypes) > 1:
+        listed = ", ".join(f"{arg}={t.dtype}" for arg, t in zip(_NAMES, tensors))
+        raise TypeError(f"{name}: all inputs must have the same dtype, got {listed}")
+    dtype = diag.dtype
+    if dtype not in SUPPORTED_DTYPES:
+        supported = ", ".join(str(d) for d in SUPPORTED_DTYPES)
+        raise TypeError(f"{name}: dtype {dtype} is not supported; use one of {supported}")
+
+    devices = {t.device for t in tensors}
+    if len(devices) > 1:
+        listed = ", ".join(f"{arg} on {t.device}" for arg, t in zip(_NAMES, tensors))
+        raise ValueError(f"{name}: all inputs must be on the same device, got {listed}")
+
+    for arg, t in zip(_NAMES[:3], tensors[:3]):
+        if t.ndim == 0:
+            raise ValueError(f"{name}: {arg} must have at least one dimension, got a scalar")
+    n = diag.shape[-1]
+    if n == 0:
+        raise ValueError(f"{name}: the matrix must be at least 1 x 1, got diag{tuple(diag.shape)}")
+    if lower.shape[-1] != n - 1 or upper.shape[-1] != n - 1:
+        raise ValueError(
+            f"{name}: with n = diag.shape[-1] = {n}, lower and upper must have n-1 = {n - 1} "
+            f"entries in their last dimension; got {_describe(tensors)}"
+        )
+
+    if rhs.ndim == diag.ndim:
+        vector_rhs = True
+        rhs_batch, rhs_n = rhs.shape[:-1], rhs.shape[-1]
+    elif rhs.ndim == diag.ndim + 1:
+        vector_rhs = False
+        rhs_batch, rhs_n = rhs.shape[:-2], rhs.shape[-2]
+    else:
+        raise ValueError(
+            f"{name}: rhs must have diag.ndim = {diag.ndim} dimensions (one vector per system) or "
+            f"diag.ndim + 1 = {diag.ndim + 1} (a matrix (n, k) per system); got {_describe(tensors)}"
+        )
+    if rhs_n != n:
+        where = "last" if vector_rhs else "second-to-last"
+        raise ValueError(
+            f"{name}: rhs must have n = {n} rows (its {where} dimension); got {_describe(tensors)}"
+        )
+
+    try:
+        batch = torch.broadcast_shapes(lower.shape[:-1], diag.shape[:-1], upper.shape[:-1], rhs_batch)
+    except RuntimeError:
+        raise ValueError(
+            f"{name}: the batch dimensions do not broadcast: {_describe(tensors)}"
+        ) from None
+
+    rhs_matrix = rhs.unsqueeze(-1) if vector_rhs else rhs
+    k = rhs_matrix.shape[-1]
+    return Problem(
+        lower.expand(*batch, n - 1),
+        diag.expand(*batch, n),
+        upper.expand(*batch, n - 1),
+        rhs_matrix.expand(*batch, n, k),
+        vector_rhs,
+        batch,
+        n,
+    )
