@@ -27,66 +27,12 @@ from __future__ import annotations
 
 import torch
 
-from . import lapack, rules
+from . import rules
 from ._validation import validate
+from .custom_op import _vmap_rule
+from .custom_op import tridiagonal_solve_op as _solve_op
 
 __all__ = ["tridiagonal_solve"]
-
-
-# --------------------------------------------------------------------------------------------
-# The kernel (no autograd, no checks): four tensors of one batch shape, rhs of shape (*B, n, k).
-# --------------------------------------------------------------------------------------------
-def _solve_kernel(lower, diag, upper, rhs):
-    if rhs.device.type == "cpu":
-        arrays = (t.detach().resolve_conj().numpy() for t in (lower, diag, upper, rhs))
-        return torch.from_numpy(lapack.solve(*arrays))
-    raise NotImplementedError(
-        f"tridiagonal_solve: no kernel for device type {rhs.device.type!r} yet"
-    )
-
-
-@torch.library.custom_op("tridiag_tutorial::tridiagonal_solve", mutates_args=())
-def _solve_op(lower: torch.Tensor, diag: torch.Tensor, upper: torch.Tensor,
-              rhs: torch.Tensor) -> torch.Tensor:
-    """``x = A^{-1} rhs`` for inputs already validated and broadcast; rhs is ``(*B, n, k)``."""
-    return _solve_kernel(lower, diag, upper, rhs)
-
-
-@_solve_op.register_fake
-def _solve_fake(lower, diag, upper, rhs):
-    # The real kernel returns a new C-contiguous tensor, whatever rhs's strides are.
-    return rhs.new_empty(rhs.shape)
-
-
-def _solve_op_setup_context(ctx, inputs, output):
-    lower, diag, upper, _ = inputs
-    ctx.save_for_backward(lower, diag, upper, output)
-
-
-def _solve_op_backward(ctx, grad_x):
-    lower, diag, upper, x = ctx.saved_tensors
-    return rules.solve_backward(_solve_op, lower, diag, upper, x, grad_x)
-
-
-def _vmap_rule(solve, info, in_dims, *args):
-    """Batch rule shared by both paths: put the vmapped dimension first on every input.
-
-    The op broadcasts batch dimensions itself, but it needs all four inputs to have the same
-    number of them, so unbatched inputs are expanded (a view, no copy) rather than left alone.
-    """
-    args = [
-        a.movedim(d, 0) if d is not None else a.expand(info.batch_size, *a.shape)
-        for a, d in zip(args, in_dims)
-    ]
-    return solve(*args), 0
-
-
-def _solve_op_vmap(info, in_dims, lower, diag, upper, rhs):
-    return _vmap_rule(_solve_op, info, in_dims, lower, diag, upper, rhs)
-
-
-_solve_op.register_autograd(_solve_op_backward, setup_context=_solve_op_setup_context)
-_solve_op.register_vmap(_solve_op_vmap)
 
 
 # --------------------------------------------------------------------------------------------

@@ -1,0 +1,92 @@
+r"""Chapter 5: the solver as a ``torch.library.custom_op``, ``torch.ops.tridiag_tutorial.tridiagonal_solve``.
+
+To PyTorch the op is one opaque node with a schema. What makes it a first-class citizen:
+
+- ``register_fake``: how to compute the output's shape, dtype and strides without data (for
+  ``torch.compile``, FakeTensors and meta tensors). The real kernel returns a new C-contiguous
+  tensor, so the fake kernel must too; ``empty_like(rhs)`` would copy ``rhs``'s strides, and SciPy's
+  Fortran-ordered output, returned as is, would disagree with both (chapter 5 shows ``opcheck``
+  catching that);
+- ``register_autograd``: ``setup_context`` saves what the backward needs, and the backward calls the
+  op itself on ``A^H`` (:func:`tridiag_tutorial.rules.solve_backward`), so double backward works;
+- ``register_vmap``: a batch rule, since the op broadcasts batch dimensions natively.
+
+:func:`tridiagonal_solve_custom_op` is the chapter's version: validation, then the op. It compiles
+with ``fullgraph=True`` and passes ``opcheck``, but on torch 2.13 ``torch.func.grad`` raises on it
+and ``torch.func.jvp``/``jacfwd`` silently return zero tangents; the final
+:func:`tridiag_tutorial.tridiagonal_solve` (:mod:`tridiag_tutorial.ops`) wraps the same op to fix
+that.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import lapack, rules
+from ._validation import validate
+
+__all__ = ["tridiagonal_solve_op", "tridiagonal_solve_custom_op"]
+
+
+# --------------------------------------------------------------------------------------------
+# The kernel (no autograd, no checks): four tensors of one batch shape, rhs of shape (*B, n, k).
+# --------------------------------------------------------------------------------------------
+def _solve_kernel(lower, diag, upper, rhs):
+    if rhs.device.type == "cpu":
+        arrays = (t.detach().resolve_conj().numpy() for t in (lower, diag, upper, rhs))
+        return torch.from_numpy(lapack.solve(*arrays))
+    raise NotImplementedError(
+        f"tridiagonal_solve: no kernel for device type {rhs.device.type!r} yet"
+    )
+
+
+@torch.library.custom_op("tridiag_tutorial::tridiagonal_solve", mutates_args=())
+def tridiagonal_solve_op(lower: torch.Tensor, diag: torch.Tensor, upper: torch.Tensor,
+                         rhs: torch.Tensor) -> torch.Tensor:
+    """``x = A^{-1} rhs`` for inputs already validated and broadcast; rhs is ``(*B, n, k)``."""
+    return _solve_kernel(lower, diag, upper, rhs)
+
+
+@tridiagonal_solve_op.register_fake
+def _solve_fake(lower, diag, upper, rhs):
+    # The real kernel returns a new C-contiguous tensor, whatever rhs's strides are.
+    return rhs.new_empty(rhs.shape)
+
+
+def _solve_setup_context(ctx, inputs, output):
+    lower, diag, upper, _ = inputs
+    ctx.save_for_backward(lower, diag, upper, output)
+
+
+def _solve_backward(ctx, grad_x):
+    lower, diag, upper, x = ctx.saved_tensors
+    return rules.solve_backward(tridiagonal_solve_op, lower, diag, upper, x, grad_x)
+
+
+def _vmap_rule(solve, info, in_dims, *args):
+    """Batch rule shared by both paths: put the vmapped dimension first on every input.
+
+    The kernel needs all four inputs to have the same batch shape, so unbatched inputs are expanded
+    along the new dimension (a view, no copy) rather than left alone.
+    """
+    args = [
+        a.movedim(d, 0) if d is not None else a.expand(info.batch_size, *a.shape)
+        for a, d in zip(args, in_dims)
+    ]
+    return solve(*args), 0
+
+
+def _solve_vmap(info, in_dims, lower, diag, upper, rhs):
+    return _vmap_rule(tridiagonal_solve_op, info, in_dims, lower, diag, upper, rhs)
+
+
+tridiagonal_solve_op.register_autograd(_solve_backward, setup_context=_solve_setup_context)
+tridiagonal_solve_op.register_vmap(_solve_vmap)
+
+
+def tridiagonal_solve_custom_op(lower, diag, upper, rhs) -> torch.Tensor:
+    """Chapter 5's version: :func:`tridiag_tutorial.tridiagonal_solve`'s arguments and result, but
+    calling the custom op directly (no ``torch.func`` support beyond ``vmap``)."""
+    p = validate(lower, diag, upper, rhs, name="tridiagonal_solve_custom_op")
+    x = tridiagonal_solve_op(p.lower, p.diag, p.upper, p.rhs)
+    return x.squeeze(-1) if p.vector_rhs else x
