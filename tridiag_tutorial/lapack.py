@@ -126,9 +126,10 @@ def solve(lower: np.ndarray, diag: np.ndarray, upper: np.ndarray, rhs: np.ndarra
     """
     batch = diag.shape[:-1]
     n = diag.shape[-1]
+    size = int(np.prod(batch))
     out = np.empty(rhs.shape, dtype=rhs.dtype)
-    out_flat = out.reshape(-1, n, rhs.shape[-1])  # a view: out is C-contiguous
-    flat = (a.reshape(-1, *a.shape[len(batch):]) for a in (lower, diag, upper, rhs))
+    out_flat = out.reshape(size, n, rhs.shape[-1])  # a view: out is C-contiguous
+    flat = (a.reshape(size, *a.shape[len(batch):]) for a in (lower, diag, upper, rhs))
     for index, (dl, d, du, b) in enumerate(zip(*flat)):
         try:
             out_flat[index] = gtsv(dl, d, du, b)

@@ -1,0 +1,54 @@
+"""Shared test helpers: one tolerance table keyed by dtype, and seeded random systems."""
+
+import pytest
+import torch
+
+# Tolerances for comparing a tridiagonal solve with the dense reference, keyed by dtype.
+# Single precision is looser: both solvers round, and condition numbers here reach ~1e2.
+TOL = {
+    torch.float32: dict(rtol=2e-4, atol=2e-5),
+    torch.complex64: dict(rtol=2e-4, atol=2e-5),
+    torch.float64: dict(rtol=1e-10, atol=1e-12),
+    torch.complex128: dict(rtol=1e-10, atol=1e-12),
+}
+REAL_DTYPES = [torch.float32, torch.float64]
+ALL_DTYPES = REAL_DTYPES + [torch.complex64, torch.complex128]
+
+
+def assert_close(actual, expected, dtype=None):
+    dtype = dtype or expected.dtype
+    torch.testing.assert_close(actual, expected, **TOL[dtype])
+
+
+def make_system(n, batch=(), k=None, dtype=torch.float64, seed=0, dominant=False,
+                requires_grad=False):
+    """Random ``(lower, diag, upper, rhs)``; ``rhs`` is ``(*batch, n)`` if ``k`` is None.
+
+    ``dominant=False`` gives matrices that are not diagonally dominant (so pivoting matters),
+    yet well conditioned enough for float32 comparisons: the diagonal is 1.5 + |N(0, 1)| with a
+    random sign, the off-diagonals N(0, 1).
+    """
+    g = torch.Generator().manual_seed(seed)
+    real = torch.float32 if dtype in (torch.float32, torch.complex64) else torch.float64
+
+    def randn(*shape):
+        x = torch.randn(*shape, generator=g, dtype=real)
+        if dtype.is_complex:
+            x = torch.complex(x, torch.randn(*shape, generator=g, dtype=real))
+        return x
+
+    lower, upper = randn(*batch, n - 1), randn(*batch, n - 1)
+    sign = torch.where(torch.rand(*batch, n, generator=g) < 0.5, -1.0, 1.0).to(real)
+    diag = (1.5 + randn(*batch, n).abs()) * sign
+    if dominant:
+        diag = diag + 4 * sign
+    rhs = randn(*batch, n) if k is None else randn(*batch, n, k)
+    out = [t.to(dtype) for t in (lower, diag, upper, rhs)]
+    return [t.requires_grad_() for t in out] if requires_grad else out
+
+
+@pytest.fixture(autouse=True)
+def _reset_dynamo():
+    """Compiled state left by one test (explain, compile caches) must not leak into another."""
+    yield
+    torch._dynamo.reset()
