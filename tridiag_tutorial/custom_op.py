@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from . import lapack, rules
+from . import lapack, rules, torch_kernel
 from ._validation import validate
 
 __all__ = ["tridiagonal_solve_op", "tridiagonal_solve_custom_op"]
@@ -31,13 +31,15 @@ __all__ = ["tridiagonal_solve_op", "tridiagonal_solve_custom_op"]
 # --------------------------------------------------------------------------------------------
 # The kernel (no autograd, no checks): four tensors of one batch shape, rhs of shape (*B, n, k).
 # --------------------------------------------------------------------------------------------
+def _numpy(*tensors):
+    return [t.detach().resolve_conj().numpy() for t in tensors]
+
+
 def _solve_kernel(lower, diag, upper, rhs):
+    """LAPACK ``?gtsv`` on CPU, the pure-torch kernel with the same pivoting on other devices."""
     if rhs.device.type == "cpu":
-        arrays = (t.detach().resolve_conj().numpy() for t in (lower, diag, upper, rhs))
-        return torch.from_numpy(lapack.solve(*arrays))
-    raise NotImplementedError(
-        f"tridiagonal_solve: no kernel for device type {rhs.device.type!r} yet"
-    )
+        return torch.from_numpy(lapack.solve(*_numpy(lower, diag, upper, rhs)))
+    return torch_kernel.solve(lower, diag, upper, rhs)
 
 
 @torch.library.custom_op("tridiag_tutorial::tridiagonal_solve", mutates_args=())
@@ -63,7 +65,7 @@ def _solve_backward(ctx, grad_x):
     return rules.solve_backward(tridiagonal_solve_op, lower, diag, upper, x, grad_x)
 
 
-def _vmap_rule(solve, info, in_dims, *args):
+def _vmap_rule(solve, info, in_dims, *args, out_dims=0):
     """Batch rule shared by both paths: put the vmapped dimension first on every input.
 
     The kernel needs all four inputs to have the same batch shape, so unbatched inputs are expanded
@@ -73,7 +75,7 @@ def _vmap_rule(solve, info, in_dims, *args):
         a.movedim(d, 0) if d is not None else a.expand(info.batch_size, *a.shape)
         for a, d in zip(args, in_dims)
     ]
-    return solve(*args), 0
+    return solve(*args), out_dims
 
 
 def _solve_vmap(info, in_dims, lower, diag, upper, rhs):

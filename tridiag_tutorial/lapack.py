@@ -27,7 +27,7 @@ import numpy as np
 import torch
 from scipy.linalg import get_lapack_funcs
 
-__all__ = ["LUFactors", "gtsv", "gttrf", "gttrs", "solve"]
+__all__ = ["LUFactors", "gtsv", "gttrf", "gttrs", "solve", "factor_solve", "lu_solve"]
 
 
 class LUFactors(NamedTuple):
@@ -116,26 +116,135 @@ def gttrs(factors: LUFactors, rhs: np.ndarray, trans: str = "N") -> np.ndarray:
     return x[:, 0] if vector else x
 
 
+def _batch_error(err: torch.linalg.LinAlgError, n: int, batch) -> torch.linalg.LinAlgError:
+    """Turn a zero pivot of a joined system (see :func:`_join`) into its batch element's own."""
+    global_pivot = int(str(err).split("U[", 1)[1].split(",", 1)[0])
+    element, pivot = divmod(global_pivot, n)
+    message = str(err).replace(f"U[{global_pivot}, {global_pivot}]", f"U[{pivot}, {pivot}]")
+    message = message.split(" (LAPACK")[0]
+    if batch:
+        where = tuple(int(i) for i in np.unravel_index(element, batch))
+        message += f", in batch element {where}"
+    return torch.linalg.LinAlgError(message)
+
+
+def _join(lower, diag, upper, rhs):
+    """Join a batch of ``n x n`` systems into one block-diagonal system of ``size * n`` rows.
+
+    The couplings between consecutive blocks are exact zeros, so partial pivoting never swaps
+    rows across blocks (the candidate pivot from the next block is 0) and every elimination step
+    at a block boundary multiplies by exactly 0: LAPACK performs the same operations, in the same
+    order, as it would on each system alone, in one call instead of ``size`` calls. The one
+    exception is a non-finite value (``0 * inf`` is NaN), which callers check for.
+    """
+    n = diag.shape[-1]
+    size = diag.size // n
+    zero = np.zeros((size, 1), dtype=diag.dtype)
+    dl = np.concatenate([lower.reshape(size, n - 1), zero], axis=1).reshape(-1)[:-1]
+    du = np.concatenate([upper.reshape(size, n - 1), zero], axis=1).reshape(-1)[:-1]
+    return dl, diag.reshape(-1), du, rhs.reshape(size * n, rhs.shape[-1])
+
+
+def _solve_each(lower, diag, upper, rhs, solve_one):
+    """Apply ``solve_one`` to each system of the batch; name the batch element on failure."""
+    batch, n = diag.shape[:-1], diag.shape[-1]
+    size = int(np.prod(batch))
+    flat = [a.reshape(size, *a.shape[len(batch):]) for a in (lower, diag, upper, rhs)]
+    results = []
+    for index in range(size):
+        try:
+            results.append(solve_one(*(a[index] for a in flat)))
+        except torch.linalg.LinAlgError as err:
+            if not batch:
+                raise
+            where = tuple(int(i) for i in np.unravel_index(index, batch))
+            raise torch.linalg.LinAlgError(f"{err}, in batch element {where}") from None
+    return results
+
+
 def solve(lower: np.ndarray, diag: np.ndarray, upper: np.ndarray, rhs: np.ndarray) -> np.ndarray:
-    """Solve a batch of systems with one ``?gtsv`` call each.
+    """Solve a batch of systems with a single ``?gtsv`` call on the joined system (:func:`_join`).
 
     Shapes: ``lower``, ``upper`` ``(*batch, n-1)``, ``diag`` ``(*batch, n)``, ``rhs``
     ``(*batch, n, k)``, all with the same ``batch`` (broadcast beforehand). Returns a new
-    C-contiguous array ``(*batch, n, k)``. A singular system raises
-    :class:`torch.linalg.LinAlgError` that names its batch index.
+    C-contiguous array ``(*batch, n, k)``, equal to solving each system on its own. A singular
+    system raises :class:`torch.linalg.LinAlgError` that names its pivot and batch index.
     """
-    batch = diag.shape[:-1]
-    n = diag.shape[-1]
+    batch, n = diag.shape[:-1], diag.shape[-1]
+    if rhs.size == 0:
+        return np.empty(rhs.shape, dtype=rhs.dtype)
+    try:
+        x = gtsv(*_join(lower, diag, upper, rhs)).reshape(rhs.shape)
+    except torch.linalg.LinAlgError as err:
+        raise _batch_error(err, n, batch) from None
+    if batch and not np.isfinite(x).all():  # keep non-finite values inside their own system
+        x = np.stack(_solve_each(lower, diag, upper, rhs, gtsv)).reshape(rhs.shape)
+    return x
+
+
+def _pack(factors: LUFactors, size: int, n: int) -> np.ndarray:
+    """Store a joined system's factors as one array ``(size, 5, n)`` of the input's dtype.
+
+    Rows: ``dl``, ``d``, ``du``, ``du2`` (each padded with zeros to ``n`` per system) and the pivot
+    flags ``ipiv[i] - (i + 1)`` (1 where rows ``i`` and ``i + 1`` were interchanged). Flags
+    relative to each row, unlike LAPACK's absolute indices, stay valid however the systems are
+    later sliced, stacked or re-batched (``vmap``).
+    """
+    rows = size * n
+    out = np.zeros((5, factors.d.shape[0]), dtype=factors.d.dtype)
+    out[0, : factors.dl.shape[0]] = factors.dl
+    out[1] = factors.d
+    out[2, : factors.du.shape[0]] = factors.du
+    out[3, : factors.du2.shape[0]] = factors.du2
+    out[4] = factors.ipiv - np.arange(1, factors.ipiv.shape[0] + 1)
+    return np.ascontiguousarray(out[:, :rows].reshape(5, size, n).transpose(1, 0, 2))
+
+
+def _unpack(lu: np.ndarray) -> LUFactors:
+    size, _, n = lu.shape
+    rows = size * n
+    joined = lu.transpose(1, 0, 2).reshape(5, rows)
+    padded = max(rows, 3)  # gttrf ran on at least 3 rows (see _pad): identity rows below
+    full = np.zeros((5, padded), dtype=lu.dtype)
+    full[:, :rows] = joined
+    full[1, rows:] = 1
+    ipiv = (full[4].real.astype(np.int32) + np.arange(1, padded + 1, dtype=np.int32))
+    return LUFactors(full[0, : padded - 1].copy(), full[1].copy(), full[2, : padded - 1].copy(),
+                     full[3, : padded - 2].copy(), ipiv, rows)
+
+
+def factor_solve(lower, diag, upper, rhs):
+    """Like :func:`solve`, with ``?gttrf`` + ``?gttrs``, also returning the LU factors.
+
+    Returns ``(x, lu)``: ``x`` ``(*batch, n, k)`` and ``lu`` ``(*batch, 5, n)`` (see
+    :func:`_pack`), which :func:`lu_solve` reuses to solve with ``A``, ``A^T`` or ``A^H``.
+    """
+    batch, n = diag.shape[:-1], diag.shape[-1]
     size = int(np.prod(batch))
-    out = np.empty(rhs.shape, dtype=rhs.dtype)
-    out_flat = out.reshape(size, n, rhs.shape[-1])  # a view: out is C-contiguous
-    flat = (a.reshape(size, *a.shape[len(batch):]) for a in (lower, diag, upper, rhs))
-    for index, (dl, d, du, b) in enumerate(zip(*flat)):
-        try:
-            out_flat[index] = gtsv(dl, d, du, b)
-        except torch.linalg.LinAlgError as err:
-            if batch:
-                where = tuple(int(i) for i in np.unravel_index(index, batch))
-                raise torch.linalg.LinAlgError(f"{err}, in batch element {where}") from None
-            raise
-    return out
+    if rhs.size == 0 or size == 0:
+        return np.empty(rhs.shape, dtype=rhs.dtype), np.zeros(batch + (5, n), dtype=diag.dtype)
+
+    def factor_one(dl, d, du, b, size=1):
+        factors = gttrf(dl, d, du)
+        return gttrs(factors, b), _pack(factors, size, n)
+
+    dl, d, du, b = _join(lower, diag, upper, rhs)
+    try:
+        x, lu = factor_one(dl, d, du, b, size)
+    except torch.linalg.LinAlgError as err:
+        raise _batch_error(err, n, batch) from None
+    if batch and not np.isfinite(x).all():
+        pairs = _solve_each(lower, diag, upper, rhs, factor_one)
+        x, lu = np.stack([p[0] for p in pairs]), np.concatenate([p[1] for p in pairs])
+    return x.reshape(rhs.shape), lu.reshape(batch + (5, n))
+
+
+def lu_solve(lu: np.ndarray, rhs: np.ndarray, trans: str = "N") -> np.ndarray:
+    """Solve with factors from :func:`factor_solve`: ``lu`` ``(*batch, 5, n)``, ``rhs``
+    ``(*batch, n, k)``; ``trans`` is ``'N'`` (``A``), ``'T'`` (``A^T``) or ``'C'`` (``A^H``)."""
+    batch, n = lu.shape[:-2], lu.shape[-1]
+    size = int(np.prod(batch))
+    if rhs.size == 0:
+        return np.empty(rhs.shape, dtype=rhs.dtype)
+    factors = _unpack(lu.reshape(size, 5, n))
+    return gttrs(factors, rhs.reshape(size * n, rhs.shape[-1]), trans).reshape(rhs.shape)

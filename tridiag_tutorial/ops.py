@@ -27,42 +27,108 @@ from __future__ import annotations
 
 import torch
 
-from . import rules
+from . import lapack, rules, torch_kernel
 from ._validation import validate
-from .custom_op import _vmap_rule
+from .custom_op import _numpy, _vmap_rule
 from .custom_op import tridiagonal_solve_op as _solve_op
 
 __all__ = ["tridiagonal_solve"]
 
 
 # --------------------------------------------------------------------------------------------
+# Factor reuse: the forward keeps LU factors, the first backward solves with A^H from them.
+# --------------------------------------------------------------------------------------------
+@torch.library.custom_op("tridiag_tutorial::factor_solve", mutates_args=())
+def _factor_solve_op(lower: torch.Tensor, diag: torch.Tensor, upper: torch.Tensor,
+                     rhs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(x, lu)``: the solution and the packed LU factors ``(*B, 5, n)`` (``?gttrf`` + ``?gttrs``)."""
+    if rhs.device.type == "cpu":
+        x, lu = lapack.factor_solve(*_numpy(lower, diag, upper, rhs))
+        return torch.from_numpy(x), torch.from_numpy(lu)
+    lu = torch_kernel.factor(lower, diag, upper)
+    return torch_kernel.lu_solve(lu, rhs), lu
+
+
+@_factor_solve_op.register_fake
+def _factor_solve_fake(lower, diag, upper, rhs):
+    return rhs.new_empty(rhs.shape), diag.new_empty(diag.shape[:-1] + (5, diag.shape[-1]))
+
+
+@torch.library.custom_op("tridiag_tutorial::lu_solve", mutates_args=())
+def _lu_solve_op(lu: torch.Tensor, rhs: torch.Tensor, trans: str) -> torch.Tensor:
+    """Solve with ``A`` (``'N'``), ``A^T`` (``'T'``) or ``A^H`` (``'C'``) from packed factors.
+
+    Not differentiable on purpose: it serves only a backward pass that is not itself being
+    differentiated (see :meth:`_TridiagonalSolve.backward`).
+    """
+    if rhs.device.type == "cpu":
+        return torch.from_numpy(lapack.lu_solve(*_numpy(lu, rhs), trans))
+    return torch_kernel.lu_solve(lu, rhs, trans)
+
+
+@_lu_solve_op.register_fake
+def _lu_solve_fake(lu, rhs, trans):
+    return rhs.new_empty(rhs.shape)
+
+
+def _is_plain(*tensors) -> bool:
+    """True when no transform watches these tensors: no functorch wrapper, no forward-AD tangent."""
+    for t in tensors:
+        if torch._C._functorch.is_functorch_wrapped_tensor(t):
+            return False
+        if torch._C._functorch.is_batchedtensor(t):
+            return False
+        if torch.autograd.forward_ad.unpack_dual(t).tangent is not None:
+            return False
+    return True
+
+
+# --------------------------------------------------------------------------------------------
 # The eager path: an autograd.Function that torch.func and forward-mode AD understand.
 # --------------------------------------------------------------------------------------------
 class _TridiagonalSolve(torch.autograd.Function):
+    """``(x, lu) = solve(lower, diag, upper, rhs, keep_lu)``; ``lu`` is empty unless ``keep_lu``."""
+
     @staticmethod
-    def forward(lower, diag, upper, rhs):
-        return _solve_op(lower, diag, upper, rhs)
+    def forward(lower, diag, upper, rhs, keep_lu):
+        if keep_lu:
+            return _factor_solve_op(lower, diag, upper, rhs)
+        return _solve_op(lower, diag, upper, rhs), diag.new_empty(diag.shape[:-1] + (0,))
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        lower, diag, upper, _ = inputs
-        ctx.save_for_backward(lower, diag, upper, output)
-        ctx.save_for_forward(lower, diag, upper, output)
+        lower, diag, upper, _, _ = inputs
+        x, lu = output
+        ctx.mark_non_differentiable(lu)
+        ctx.save_for_backward(lower, diag, upper, x, lu)
+        ctx.save_for_forward(lower, diag, upper, x)
 
     @staticmethod
-    def backward(ctx, grad_x):
+    def backward(ctx, grad_x, _grad_lu):
+        lower, diag, upper, x, lu = ctx.saved_tensors
+        if lu.numel() and not torch.is_grad_enabled() and _is_plain(grad_x, x, lower, diag, upper):
+            # First-order backward, not itself differentiated: reuse the forward's factors.
+            v = _lu_solve_op(lu, grad_x, "C" if x.is_complex() else "T")
+            return (*rules.band_gradients(v, x), v, None)
+        # Otherwise solve again through the differentiable op, so higher derivatives work.
+        return (*rules.solve_backward(_differentiable_solve, lower, diag, upper, x, grad_x), None)
+
+    @staticmethod
+    def jvp(ctx, d_lower, d_diag, d_upper, d_rhs, _d_keep_lu):
         lower, diag, upper, x = ctx.saved_tensors
-        return rules.solve_backward(_TridiagonalSolve.apply, lower, diag, upper, x, grad_x)
+        dx = rules.solve_jvp(_differentiable_solve, lower, diag, upper, x,
+                             d_lower, d_diag, d_upper, d_rhs)
+        return dx, None
 
     @staticmethod
-    def jvp(ctx, d_lower, d_diag, d_upper, d_rhs):
-        lower, diag, upper, x = ctx.saved_tensors
-        return rules.solve_jvp(_TridiagonalSolve.apply, lower, diag, upper, x,
-                               d_lower, d_diag, d_upper, d_rhs)
+    def vmap(info, in_dims, lower, diag, upper, rhs, keep_lu):
+        return _vmap_rule(lambda *a: _TridiagonalSolve.apply(*a, keep_lu), info, in_dims[:4],
+                          lower, diag, upper, rhs, out_dims=(0, 0))
 
-    @staticmethod
-    def vmap(info, in_dims, lower, diag, upper, rhs):
-        return _vmap_rule(_TridiagonalSolve.apply, info, in_dims, lower, diag, upper, rhs)
+
+def _differentiable_solve(lower, diag, upper, rhs):
+    x, _ = _TridiagonalSolve.apply(lower, diag, upper, rhs, False)
+    return x
 
 
 # --------------------------------------------------------------------------------------------
@@ -111,8 +177,11 @@ def tridiagonal_solve(lower: torch.Tensor, diag: torch.Tensor, upper: torch.Tens
         tensor([0.5000, 0.0000, 0.5000])
     """
     p = validate(lower, diag, upper, rhs)
+    args = (p.lower, p.diag, p.upper, p.rhs)
     if torch.compiler.is_compiling():
-        x = _solve_op(p.lower, p.diag, p.upper, p.rhs)
+        x = _solve_op(*args)
     else:
-        x = _TridiagonalSolve.apply(p.lower, p.diag, p.upper, p.rhs)
+        # Keep the LU factors only when a backward pass will want them.
+        keep_lu = torch.is_grad_enabled() and any(t.requires_grad for t in args)
+        x, _ = _TridiagonalSolve.apply(*args, keep_lu)
     return x.squeeze(-1) if p.vector_rhs else x

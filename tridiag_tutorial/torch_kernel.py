@@ -1,0 +1,129 @@
+"""The pure-torch kernel: LAPACK's ``?gttrf`` / ``?gttrs`` in torch ops, vectorised over the batch.
+
+This is the kernel for every device but the CPU (where :mod:`tridiag_tutorial.lapack` is used),
+and it runs on the CPU too, so the tests check it there against the dense reference and against
+LAPACK's own factors.
+
+It is Gaussian elimination **with partial pivoting**, written as LAPACK writes it (row ``i`` is
+swapped with row ``i + 1`` when ``|lower[i]| > |diag[i]|``; for complex numbers LAPACK's
+``|re| + |im|`` is used, as in ``zgttrf``), so it is as stable as LAPACK: no diagonal dominance is
+needed. Each elimination step is a handful of elementwise torch ops on all systems of the batch at
+once, and the steps run one after another, so the cost is O(n) *kernel launches*: the kernel is
+fast for large batches of small and moderate systems, and slow for one huge system (there, a
+parallel method such as cyclic reduction would win, at the price of pivoting). The factors use the
+packed layout of :func:`tridiag_tutorial.lapack.factor_solve`: ``lu`` ``(*batch, 5, n)`` with rows
+``dl, d, du, du2`` and the pivot flags (1 where rows ``i`` and ``i + 1`` were interchanged).
+
+A singular matrix (an exactly zero pivot) raises :class:`torch.linalg.LinAlgError` naming the pivot
+and the batch element, like the LAPACK path; this check reads one boolean back from the device.
+Non-finite inputs give non-finite results in their own system only.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+__all__ = ["factor", "lu_solve", "solve"]
+
+
+def _magnitude(t: torch.Tensor) -> torch.Tensor:
+    """LAPACK's pivoting magnitude: ``|t|`` for real, ``|re| + |im|`` (``CABS1``) for complex."""
+    return t.real.abs() + t.imag.abs() if t.is_complex() else t.abs()
+
+
+def factor(lower: torch.Tensor, diag: torch.Tensor, upper: torch.Tensor) -> torch.Tensor:
+    """LU with partial pivoting of a batch: bands ``(*batch, n-1)``, ``(*batch, n)``,
+    ``(*batch, n-1)`` -> packed ``lu`` ``(*batch, 5, n)``. Inputs are not modified."""
+    n = diag.shape[-1]
+    d = list(diag.unbind(-1))
+    du = list(upper.unbind(-1))
+    multipliers, du2, swaps = [], [], []
+    zero = torch.zeros_like(diag[..., 0])
+    for i in range(n - 1):
+        a, b, c = d[i], lower[..., i], du[i]  # rows i, i+1 in columns i, i+1: [[a, c], [b, d[i+1]]]
+        swap = _magnitude(b) > _magnitude(a)
+        pivot = torch.where(swap, b, a)
+        other = torch.where(swap, a, b)
+        safe = torch.where(pivot == 0, torch.ones_like(pivot), pivot)
+        fact = torch.where(pivot == 0, zero, other / safe)  # a zero pivot is reported below
+        next_d = d[i + 1]
+        # no swap: row i+1 -= fact * row i;  swap: rows exchange first, then the same update
+        d[i] = pivot
+        du[i] = torch.where(swap, next_d, c)
+        d[i + 1] = torch.where(swap, c - fact * next_d, next_d - fact * c)
+        if i < n - 2:
+            far = du[i + 1]  # A[i+1, i+2]: moves to row i (du2) after a swap
+            du2.append(torch.where(swap, far, zero))
+            du[i + 1] = torch.where(swap, -fact * far, far)
+        multipliers.append(fact)
+        swaps.append(swap.to(diag.dtype))
+    pad = [zero]
+    rows = [
+        multipliers + pad,
+        d,
+        du + pad,
+        du2 + [zero] * (n - len(du2)),
+        swaps + pad,
+    ]
+    lu = torch.stack([torch.stack(r, dim=-1) for r in rows], dim=-2)
+    _check_pivots(lu[..., 1, :])
+    return lu
+
+
+def _check_pivots(pivots: torch.Tensor) -> None:
+    singular = pivots == 0
+    if bool(singular.any()):  # one device-to-host read
+        flat = singular.reshape(-1, pivots.shape[-1]).cpu()
+        element = int(flat.any(dim=-1).nonzero()[0])
+        pivot = int(flat[element].nonzero()[0])
+        message = (f"the tridiagonal matrix is singular: pivot U[{pivot}, {pivot}] is exactly zero")
+        batch = tuple(pivots.shape[:-1])
+        if batch:
+            where = tuple(int(i) for i in np.unravel_index(element, batch))
+            message += f", in batch element {where}"
+        raise torch.linalg.LinAlgError(message)
+
+
+def lu_solve(lu: torch.Tensor, rhs: torch.Tensor, trans: str = "N") -> torch.Tensor:
+    """Solve with packed factors: ``A x = rhs`` (``'N'``), ``A^T x = rhs`` (``'T'``) or
+    ``A^H x = rhs`` (``'C'``); ``rhs`` ``(*batch, n, k)``; returns a new tensor."""
+    if trans not in ("N", "T", "C"):
+        raise ValueError(f"lu_solve: trans must be 'N', 'T' or 'C', got {trans!r}")
+    if trans == "C":
+        lu = lu.conj()
+    n = lu.shape[-1]
+    dl, d, du, du2 = (lu[..., r, :].unsqueeze(-1) for r in range(4))  # (*batch, n, 1)
+    swap = lu[..., 4, :].real.bool().unsqueeze(-1)
+    b = list(rhs.unbind(-2))
+    if trans == "N":
+        for i in range(n - 1):  # L: forward, with the row interchanges
+            bi, bn = b[i], b[i + 1]
+            b[i] = torch.where(swap[..., i, :], bn, bi)
+            b[i + 1] = torch.where(swap[..., i, :], bi, bn) - dl[..., i, :] * b[i]
+        for i in reversed(range(n)):  # U: backward
+            s = b[i]
+            if i + 1 < n:
+                s = s - du[..., i, :] * b[i + 1]
+            if i + 2 < n:
+                s = s - du2[..., i, :] * b[i + 2]
+            b[i] = s / d[..., i, :]
+    else:
+        for i in range(n):  # U^T: forward
+            s = b[i]
+            if i >= 1:
+                s = s - du[..., i - 1, :] * b[i - 1]
+            if i >= 2:
+                s = s - du2[..., i - 2, :] * b[i - 2]
+            b[i] = s / d[..., i, :]
+        for i in reversed(range(n - 1)):  # L^T: backward, undoing the interchanges
+            bi = b[i] - dl[..., i, :] * b[i + 1]
+            bn = b[i + 1]
+            b[i] = torch.where(swap[..., i, :], bn, bi)
+            b[i + 1] = torch.where(swap[..., i, :], bi, bn)
+    return torch.stack(b, dim=-2)
+
+
+def solve(lower, diag, upper, rhs) -> torch.Tensor:
+    """``x = A^{-1} rhs`` for a batch: :func:`factor`, then :func:`lu_solve`."""
+    return lu_solve(factor(lower, diag, upper), rhs)
