@@ -20,24 +20,48 @@ that.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from . import lapack, rules, torch_kernel
 from ._validation import validate
 
-__all__ = ["tridiagonal_solve_op", "tridiagonal_solve_custom_op"]
+__all__ = ["tridiagonal_solve_op", "tridiagonal_solve_custom_op", "torch_kernel_on_cpu"]
 
 
 # --------------------------------------------------------------------------------------------
 # The kernel (no autograd, no checks): four tensors of one batch shape, rhs of shape (*B, n, k).
 # --------------------------------------------------------------------------------------------
+_torch_kernel_on_cpu = False
+
+
+@contextlib.contextmanager
+def torch_kernel_on_cpu():
+    """Within this block, CPU tensors go to the pure-torch kernel instead of LAPACK.
+
+    The pure-torch kernel is the one other devices (CUDA) use; this lets the tests and the book
+    run that exact code path, through the custom ops, on a machine without a GPU.
+    """
+    global _torch_kernel_on_cpu
+    previous, _torch_kernel_on_cpu = _torch_kernel_on_cpu, True
+    try:
+        yield
+    finally:
+        _torch_kernel_on_cpu = previous
+
+
+def _use_lapack(t: torch.Tensor) -> bool:
+    return t.device.type == "cpu" and not _torch_kernel_on_cpu
+
+
 def _numpy(*tensors):
     return [t.detach().resolve_conj().numpy() for t in tensors]
 
 
 def _solve_kernel(lower, diag, upper, rhs):
     """LAPACK ``?gtsv`` on CPU, the pure-torch kernel with the same pivoting on other devices."""
-    if rhs.device.type == "cpu":
+    if _use_lapack(rhs):
         return torch.from_numpy(lapack.solve(*_numpy(lower, diag, upper, rhs)))
     return torch_kernel.solve(lower, diag, upper, rhs)
 

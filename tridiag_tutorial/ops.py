@@ -29,7 +29,7 @@ import torch
 
 from . import lapack, rules, torch_kernel
 from ._validation import validate
-from .custom_op import _numpy, _vmap_rule
+from .custom_op import _numpy, _use_lapack, _vmap_rule
 from .custom_op import tridiagonal_solve_op as _solve_op
 
 __all__ = ["tridiagonal_solve"]
@@ -42,7 +42,7 @@ __all__ = ["tridiagonal_solve"]
 def _factor_solve_op(lower: torch.Tensor, diag: torch.Tensor, upper: torch.Tensor,
                      rhs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``(x, lu)``: the solution and the packed LU factors ``(*B, 5, n)`` (``?gttrf`` + ``?gttrs``)."""
-    if rhs.device.type == "cpu":
+    if _use_lapack(rhs):
         x, lu = lapack.factor_solve(*_numpy(lower, diag, upper, rhs))
         return torch.from_numpy(x), torch.from_numpy(lu)
     lu = torch_kernel.factor(lower, diag, upper)
@@ -61,7 +61,7 @@ def _lu_solve_op(lu: torch.Tensor, rhs: torch.Tensor, trans: str) -> torch.Tenso
     Not differentiable on purpose: it serves only a backward pass that is not itself being
     differentiated (see :meth:`_TridiagonalSolve.backward`).
     """
-    if rhs.device.type == "cpu":
+    if _use_lapack(rhs):
         return torch.from_numpy(lapack.lu_solve(*_numpy(lu, rhs), trans))
     return torch_kernel.lu_solve(lu, rhs, trans)
 

@@ -1,0 +1,148 @@
+"""The kernels: joined-batch LAPACK, LU factor reuse, the pure-torch kernel, singular/non-finite."""
+
+import numpy as np
+import pytest
+import torch
+from torch.autograd import gradcheck, gradgradcheck
+
+from tridiag_tutorial import dense_solve, lapack, torch_kernel, tridiagonal_solve
+from tridiag_tutorial.custom_op import torch_kernel_on_cpu
+
+from conftest import ALL_DTYPES, assert_close, make_system
+
+CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+
+
+def numpy_args(*tensors):
+    return [t.numpy() for t in tensors]
+
+
+def test_joined_batch_equals_one_call_per_system():
+    """One ?gtsv call on the block-diagonal system gives bit-identical results to a loop."""
+    args = make_system(9, (4, 5), 3, seed=1)
+    args[1][1, 2, 0] = 0.0  # a pivot that forces a row interchange
+    joined = lapack.solve(*numpy_args(*args))
+    loop = np.stack([lapack.gtsv(*(a.reshape(20, *a.shape[2:])[i] for a in numpy_args(*args)))
+                     for i in range(20)]).reshape(joined.shape)
+    np.testing.assert_array_equal(joined, loop)
+
+
+@pytest.mark.parametrize("dtype", ALL_DTYPES, ids=str)
+@pytest.mark.parametrize("n", [1, 2, 3, 6])
+@pytest.mark.parametrize("trans", ["N", "T", "C"])
+def test_lu_factors_reused_for_every_transpose(dtype, n, trans):
+    lower, diag, upper, rhs = make_system(n, (3,), 2, dtype=dtype, seed=n)
+    x, lu = lapack.factor_solve(*numpy_args(lower, diag, upper, rhs))
+    assert_close(torch.from_numpy(x), dense_solve(lower, diag, upper, rhs))
+    a = {"N": (lower, diag, upper), "T": (upper, diag, lower),
+         "C": (upper.conj(), diag.conj(), lower.conj())}[trans]
+    y = lapack.lu_solve(lu, rhs.numpy(), trans)
+    assert_close(torch.from_numpy(y), dense_solve(*a, rhs))
+    assert_close(torch_kernel.lu_solve(torch.from_numpy(lu), rhs, trans), dense_solve(*a, rhs))
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 10])
+def test_torch_kernel_factors_equal_lapack_factors(n):
+    """Same algorithm, same pivots: on real inputs the packed factors agree bit for bit."""
+    lower, diag, upper, rhs = make_system(n, (4,), 2, seed=20 + n)
+    if n > 1:
+        diag[:, 0] = 0.0
+    _, lu = lapack.factor_solve(*numpy_args(lower, diag, upper, rhs))
+    torch.testing.assert_close(torch_kernel.factor(lower, diag, upper), torch.from_numpy(lu),
+                               rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("dtype", ALL_DTYPES, ids=str)
+@pytest.mark.parametrize("n", [1, 2, 5, 16])
+@pytest.mark.parametrize("k", [None, 3])
+def test_torch_kernel_path_matches_dense(dtype, n, k):
+    args = make_system(n, (2, 3), k, dtype=dtype, seed=n)
+    with torch_kernel_on_cpu():
+        x = tridiagonal_solve(*args)
+    wide = torch.complex128 if dtype.is_complex else torch.float64
+    assert_close(x, dense_solve(*(a.to(wide) for a in args)).to(dtype), dtype)
+
+
+def test_torch_kernel_path_gradients():
+    args = make_system(5, (2,), 2, requires_grad=True, seed=30)
+    with torch_kernel_on_cpu():
+        assert gradcheck(tridiagonal_solve, args, check_forward_ad=True)
+        assert gradgradcheck(tridiagonal_solve, args)
+
+
+def test_torch_kernel_needs_no_diagonal_dominance():
+    """It pivots: the zero-diagonal system Thomas cannot solve (A x = [4, 10, 5], x = [1, 2, 3])."""
+    lower = torch.tensor([1.0, 1.0], dtype=torch.float64)
+    diag = torch.tensor([0.0, 0.0, 1.0], dtype=torch.float64)
+    upper = torch.tensor([2.0, 3.0], dtype=torch.float64)
+    rhs = torch.tensor([4.0, 10.0, 5.0], dtype=torch.float64)
+    with torch_kernel_on_cpu():
+        x = tridiagonal_solve(lower, diag, upper, rhs)
+    torch.testing.assert_close(x, torch.tensor([1.0, 2.0, 3.0], dtype=torch.float64))
+
+
+@pytest.mark.parametrize("kernel", ["lapack", "torch"])
+@pytest.mark.parametrize("grad", [False, True], ids=["forward", "factor-path"])
+def test_singular_error_is_the_same_on_every_kernel(kernel, grad):
+    lower, diag, upper, rhs = make_system(4, (2, 3), seed=31)
+    diag[1, 0, 2], lower[1, 0, 2], upper[1, 0, 1] = 0.0, 0.0, 0.0  # column 2 of system (1, 0)
+    if grad:
+        diag.requires_grad_()
+    expected = r"singular: pivot U\[2, 2\] is exactly zero, in batch element \(1, 0\)$"
+    with pytest.raises(torch.linalg.LinAlgError, match=expected):
+        if kernel == "torch":
+            with torch_kernel_on_cpu():
+                tridiagonal_solve(lower, diag, upper, rhs)
+        else:
+            tridiagonal_solve(lower, diag, upper, rhs)
+
+
+@pytest.mark.parametrize("kernel", ["lapack", "torch"])
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_non_finite_input_stays_in_its_own_system(kernel, bad):
+    args = make_system(5, (4,), 2, seed=32)
+    args[3][1, 2, 0] = bad
+    if kernel == "torch":
+        with torch_kernel_on_cpu():
+            x = tridiagonal_solve(*args)
+    else:
+        x = tridiagonal_solve(*args)
+    assert not torch.isfinite(x[1]).all()
+    others = [0, 2, 3]
+    assert torch.isfinite(x[others]).all()
+    assert_close(x[others], dense_solve(*(a[others] for a in args)))
+
+
+def test_backward_reuses_the_forward_factors(monkeypatch):
+    """A plain .backward() factors once (?gttrf) and solves with A^T from those factors."""
+    calls = []
+    for name in ("solve", "factor_solve", "lu_solve"):
+        original = getattr(lapack, name)
+        monkeypatch.setattr(lapack, name,
+                            lambda *a, _f=original, _n=name, **k: calls.append(_n) or _f(*a, **k))
+    args = make_system(6, (2,), 2, requires_grad=True, seed=33)
+    tridiagonal_solve(*args).pow(2).sum().backward()
+    assert calls == ["factor_solve", "lu_solve"]
+    calls.clear()
+    with torch.no_grad():
+        tridiagonal_solve(*args)
+    assert calls == ["solve"]  # no factors kept when no backward can follow
+
+
+@CUDA
+@pytest.mark.parametrize("dtype", ALL_DTYPES, ids=str)
+def test_cuda_matches_dense(dtype):
+    args = [a.cuda() for a in make_system(33, (4,), 2, dtype=dtype, seed=40)]
+    x = tridiagonal_solve(*args)
+    assert x.device.type == "cuda"
+    assert_close(x.cpu(), dense_solve(*(a.cpu() for a in args)), dtype)
+
+
+@CUDA
+def test_cuda_gradients_and_compile():
+    args = [a.cuda().requires_grad_() for a in make_system(6, (2,), 2, seed=41)]
+    assert gradcheck(tridiagonal_solve, args, check_forward_ad=True)
+    loss = lambda *a: tridiagonal_solve(*a).pow(2).sum()
+    grads = torch.autograd.grad(torch.compile(loss, fullgraph=True)(*args), args)
+    for g, e in zip(grads, torch.autograd.grad(loss(*args), args)):
+        assert_close(g, e)
