@@ -101,21 +101,18 @@ def validate(lower, diag, upper, rhs, *, name: str = "tridiagonal_solve") -> Pro
             f"{name}: rhs must have n = {n} rows (its {where} dimension); got {_describe(tensors)}"
         )
 
-    try:
-        batch = torch.broadcast_shapes(lower.shape[:-1], diag.shape[:-1], upper.shape[:-1], rhs_batch)
-    except RuntimeError:
-        raise ValueError(
-            f"{name}: the batch dimensions do not broadcast: {_describe(tensors)}"
-        ) from None
+    batches = (lower.shape[:-1], diag.shape[:-1], upper.shape[:-1], rhs_batch)
+    if batches[0] == batches[1] == batches[2] == batches[3]:  # the common case, and fast
+        batch = batches[0]
+    else:
+        try:
+            batch = torch.broadcast_shapes(*batches)
+        except RuntimeError:
+            raise ValueError(
+                f"{name}: the batch dimensions do not broadcast: {_describe(tensors)}"
+            ) from None
+        lower, diag, upper = (t.expand(*batch, t.shape[-1]) for t in (lower, diag, upper))
+        rhs = rhs.expand(*batch, *rhs.shape[len(rhs_batch):])
 
-    rhs_matrix = rhs.unsqueeze(-1) if vector_rhs else rhs
-    k = rhs_matrix.shape[-1]
-    return Problem(
-        lower.expand(*batch, n - 1),
-        diag.expand(*batch, n),
-        upper.expand(*batch, n - 1),
-        rhs_matrix.expand(*batch, n, k),
-        vector_rhs,
-        batch,
-        n,
-    )
+    return Problem(lower, diag, upper, rhs.unsqueeze(-1) if vector_rhs else rhs,
+                   vector_rhs, batch, n)

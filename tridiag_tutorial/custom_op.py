@@ -56,7 +56,8 @@ def _use_lapack(t: torch.Tensor) -> bool:
 
 
 def _numpy(*tensors):
-    return [t.detach().resolve_conj().numpy() for t in tensors]
+    """NumPy views of the tensors' data (a copy only for a lazily conjugated tensor)."""
+    return [(t.resolve_conj() if t.is_conj() else t).detach().numpy() for t in tensors]
 
 
 def _solve_kernel(lower, diag, upper, rhs):

@@ -173,6 +173,9 @@ def solve(lower: np.ndarray, diag: np.ndarray, upper: np.ndarray, rhs: np.ndarra
     batch, n = diag.shape[:-1], diag.shape[-1]
     if rhs.size == 0:
         return np.empty(rhs.shape, dtype=rhs.dtype)
+    if diag.size == n:  # one system: nothing to join
+        x = gtsv(lower.reshape(n - 1), diag.reshape(n), upper.reshape(n - 1), rhs.reshape(n, -1))
+        return x.reshape(rhs.shape)
     try:
         x = gtsv(*_join(lower, diag, upper, rhs)).reshape(rhs.shape)
     except torch.linalg.LinAlgError as err:

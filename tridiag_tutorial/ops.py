@@ -26,10 +26,12 @@ as one opaque node with a fake kernel and a registered backward. Both use the ru
 from __future__ import annotations
 
 import torch
+from torch.autograd import forward_ad
+from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from . import lapack, rules, torch_kernel
 from ._validation import validate
-from .custom_op import _numpy, _use_lapack, _vmap_rule
+from .custom_op import _numpy, _solve_kernel, _use_lapack, _vmap_rule
 from .custom_op import tridiagonal_solve_op as _solve_op
 
 __all__ = ["tridiagonal_solve"]
@@ -71,6 +73,20 @@ def _lu_solve_fake(lu, rhs, trans):
     return rhs.new_empty(rhs.shape)
 
 
+def _unobserved(args) -> bool:
+    """True when nothing but the result of this call matters: no gradient will be asked for, no
+    ``torch.func`` transform or forward-AD level is active, no dispatch or function mode is
+    installed, and the inputs are plain tensors with data. Then the kernel can be called directly,
+    saving the tens of microseconds that ``autograd.Function`` and custom-op dispatch cost."""
+    if torch._C._functorch.peek_interpreter_stack() is not None or forward_ad._current_level >= 0:
+        return False
+    if _get_current_dispatch_mode() is not None or torch._C._is_torch_function_mode_enabled():
+        return False
+    if torch.is_grad_enabled() and any(t.requires_grad for t in args):
+        return False
+    return all(type(t) is torch.Tensor and t.device.type != "meta" for t in args)
+
+
 def _is_plain(*tensors) -> bool:
     """True when no transform watches these tensors: no functorch wrapper, no forward-AD tangent."""
     for t in tensors:
@@ -78,7 +94,7 @@ def _is_plain(*tensors) -> bool:
             return False
         if torch._C._functorch.is_batchedtensor(t):
             return False
-        if torch.autograd.forward_ad.unpack_dual(t).tangent is not None:
+        if forward_ad.unpack_dual(t).tangent is not None:
             return False
     return True
 
@@ -180,6 +196,8 @@ def tridiagonal_solve(lower: torch.Tensor, diag: torch.Tensor, upper: torch.Tens
     args = (p.lower, p.diag, p.upper, p.rhs)
     if torch.compiler.is_compiling():
         x = _solve_op(*args)
+    elif _unobserved(args):
+        x = _solve_kernel(*args)  # no autograd, transform or mode can see the call: skip dispatch
     else:
         # Keep the LU factors only when a backward pass will want them.
         keep_lu = torch.is_grad_enabled() and any(t.requires_grad for t in args)
