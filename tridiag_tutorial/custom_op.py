@@ -4,12 +4,12 @@ To PyTorch the op is one opaque node with a schema. What makes it a first-class 
 
 - ``register_fake``: how to compute the output's shape, dtype and strides without data (for
   ``torch.compile``, FakeTensors and meta tensors). The real kernel returns a new C-contiguous
-  tensor, so the fake kernel must too; ``empty_like(rhs)`` would copy ``rhs``'s strides, and SciPy's
-  Fortran-ordered output, returned as is, would disagree with both (chapter 5 shows ``opcheck``
-  catching that);
+  tensor, so the fake kernel must too. ``empty_like(rhs)`` copies ``rhs``'s strides instead, and
+  SciPy's output, returned as is, is Fortran-ordered: the two disagree whenever ``rhs`` is
+  C-ordered (chapter 5 shows ``opcheck`` catching that);
 - ``register_autograd``: ``setup_context`` saves what the backward needs, and the backward calls the
   op itself on ``A^H`` (:func:`tridiag_tutorial.rules.solve_backward`), so double backward works;
-- ``register_vmap``: a batch rule, since the op broadcasts batch dimensions natively.
+- ``register_vmap``: a batch rule, since the kernel handles any number of batch dimensions.
 
 :func:`tridiagonal_solve_custom_op` is the chapter's version: validation, then the op. It compiles
 with ``fullgraph=True`` and passes ``opcheck``, but on torch 2.13 ``torch.func.grad`` raises on it

@@ -139,6 +139,8 @@ def _join(lower, diag, upper, rhs):
     """
     n = diag.shape[-1]
     size = diag.size // n
+    if size == 1:  # one system: nothing to join, no copy
+        return lower.reshape(n - 1), diag.reshape(n), upper.reshape(n - 1), rhs.reshape(n, -1)
     zero = np.zeros((size, 1), dtype=diag.dtype)
     dl = np.concatenate([lower.reshape(size, n - 1), zero], axis=1).reshape(-1)[:-1]
     du = np.concatenate([upper.reshape(size, n - 1), zero], axis=1).reshape(-1)[:-1]
@@ -173,9 +175,6 @@ def solve(lower: np.ndarray, diag: np.ndarray, upper: np.ndarray, rhs: np.ndarra
     batch, n = diag.shape[:-1], diag.shape[-1]
     if rhs.size == 0:
         return np.empty(rhs.shape, dtype=rhs.dtype)
-    if diag.size == n:  # one system: nothing to join
-        x = gtsv(lower.reshape(n - 1), diag.reshape(n), upper.reshape(n - 1), rhs.reshape(n, -1))
-        return x.reshape(rhs.shape)
     try:
         x = gtsv(*_join(lower, diag, upper, rhs)).reshape(rhs.shape)
     except torch.linalg.LinAlgError as err:
@@ -193,27 +192,31 @@ def _pack(factors: LUFactors, size: int, n: int) -> np.ndarray:
     relative to each row, unlike LAPACK's absolute indices, stay valid however the systems are
     later sliced, stacked or re-batched (``vmap``).
     """
-    rows = size * n
-    out = np.zeros((5, factors.d.shape[0]), dtype=factors.d.dtype)
-    out[0, : factors.dl.shape[0]] = factors.dl
-    out[1] = factors.d
-    out[2, : factors.du.shape[0]] = factors.du
-    out[3, : factors.du2.shape[0]] = factors.du2
-    out[4] = factors.ipiv - np.arange(1, factors.ipiv.shape[0] + 1)
-    return np.ascontiguousarray(out[:, :rows].reshape(5, size, n).transpose(1, 0, 2))
+    rows, m = size * n, factors.d.shape[0]  # m > rows when gttrf ran on a padded system
+    out = np.empty((5, m), dtype=factors.d.dtype)
+    for row, band in enumerate((factors.dl, factors.d, factors.du, factors.du2)):
+        out[row, : band.shape[0]] = band
+        out[row, band.shape[0]:] = 0
+    np.subtract(factors.ipiv, np.arange(1, m + 1), out=out[4], casting="unsafe")
+    out = out[:, :rows].reshape(5, size, n).transpose(1, 0, 2)
+    return np.ascontiguousarray(out)  # no copy for one system without padding
 
 
 def _unpack(lu: np.ndarray) -> LUFactors:
+    """The inverse of :func:`_pack`; for one system the bands are views, not copies."""
     size, _, n = lu.shape
     rows = size * n
-    joined = lu.transpose(1, 0, 2).reshape(5, rows)
-    padded = max(rows, 3)  # gttrf ran on at least 3 rows (see _pad): identity rows below
-    full = np.zeros((5, padded), dtype=lu.dtype)
-    full[:, :rows] = joined
-    full[1, rows:] = 1
-    ipiv = (full[4].real.astype(np.int32) + np.arange(1, padded + 1, dtype=np.int32))
-    return LUFactors(full[0, : padded - 1].copy(), full[1].copy(), full[2, : padded - 1].copy(),
-                     full[3, : padded - 2].copy(), ipiv, rows)
+    joined = lu.transpose(1, 0, 2).reshape(5, rows)  # a view when size == 1
+    if rows < 3:  # gttrf ran on a system padded with identity rows to 3 x 3 (see _pad)
+        full = np.zeros((5, 3), dtype=lu.dtype)
+        full[:, :rows] = joined
+        full[1, rows:] = 1
+        joined = full
+    m = joined.shape[1]
+    ipiv = joined[4].real.astype(np.int32)
+    ipiv += np.arange(1, m + 1, dtype=np.int32)
+    return LUFactors(joined[0, : m - 1], joined[1], joined[2, : m - 1], joined[3, : m - 2], ipiv,
+                     rows)
 
 
 def factor_solve(lower, diag, upper, rhs):

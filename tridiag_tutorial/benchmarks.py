@@ -1,0 +1,315 @@
+"""Benchmark every solver in the book against raw LAPACK ``?gtsv``, in one process.
+
+Run::
+
+    python -m tridiag_tutorial.benchmarks                  # the full suite (about 10-20 minutes)
+    python -m tridiag_tutorial.benchmarks --quick          # tiny sizes: a smoke test
+    python -m tridiag_tutorial.benchmarks --out results.json
+
+Method: every figure is the median of several timed repeats (each repeat runs the call enough
+times to last ``--min-time`` seconds), taken in the same process as its baseline, on one thread
+(``torch.set_num_threads(1)``) and on the default number of threads. The targets are ratios to
+the baseline measured in the same run, so they are comparable across machines.
+
+Implementations: raw ``?gtsv`` through ``scipy.linalg.lapack`` (the baseline; a Python loop over
+the systems of a batch), ``scipy.linalg.solve_banded``, dense ``torch.linalg.solve`` (including
+assembling the matrix), the pure-torch kernel (:mod:`tridiag_tutorial.torch_kernel`), chapter 4's
+``autograd.Function``, chapter 5's custom op and the final :func:`tridiag_tutorial.tridiagonal_solve`.
+Modes: ``forward`` and ``backward`` (forward plus the gradients of all four inputs), eager and
+``torch.compile(fullgraph=True)``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+
+import numpy as np
+import scipy
+import scipy.linalg
+import torch
+from scipy.linalg import get_lapack_funcs
+
+from .autograd_function import tridiagonal_solve_function
+from .custom_op import torch_kernel_on_cpu, tridiagonal_solve_custom_op
+from .ops import tridiagonal_solve
+from .reference import dense_solve
+
+__all__ = ["run", "evaluate_targets", "main"]
+
+SINGLE_SIZES = [10**2, 10**3, 10**4, 10**5, 10**6]
+BATCHES = [(1024, 256), (16384, 64), (100000, 8)]
+DENSE_MAX_N = 2000  # O(n^3) time and O(n^2) memory: larger n would dominate the run
+TORCH_KERNEL_MAX_N = 1000  # sequential over n: one system of 10^6 would take minutes
+
+
+@dataclass
+class Result:
+    impl: str
+    mode: str  # "forward" or "backward" (forward + all four gradients)
+    compiled: bool
+    n: int
+    batch: int  # 0 for a single system
+    dtype: str
+    threads: int
+    seconds: float  # median time of one call
+    repeats: list = field(default_factory=list)
+
+
+def _time(fn, min_time: float, repeats: int) -> tuple[float, list]:
+    fn()  # warm up (and compile)
+    number, elapsed = 1, 0.0
+    while True:  # calibrate: how many calls make one repeat last min_time
+        start = time.perf_counter()
+        for _ in range(number):
+            fn()
+        elapsed = time.perf_counter() - start
+        if elapsed >= min_time or number >= 10**6:
+            break
+        number = max(number * 2, int(number * min_time / max(elapsed, 1e-9)))
+    times = [elapsed / number]
+    for _ in range(repeats - 1):
+        start = time.perf_counter()
+        for _ in range(number):
+            fn()
+        times.append((time.perf_counter() - start) / number)
+    return statistics.median(times), times
+
+
+def _problem(n: int, batch: int, dtype: torch.dtype, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    shape = (batch,) if batch else ()
+    lower = torch.randn(*shape, n - 1, generator=g, dtype=torch.float64)
+    upper = torch.randn(*shape, n - 1, generator=g, dtype=torch.float64)
+    diag = torch.randn(*shape, n, generator=g, dtype=torch.float64) + 4.0
+    rhs = torch.randn(*shape, n, generator=g, dtype=torch.float64)
+    return [t.to(dtype) for t in (lower, diag, upper, rhs)]
+
+
+def _raw_gtsv(args):
+    """The baseline: SciPy's f2py wrapper of ?gtsv, one call per system, nothing else."""
+    arrays = [a.numpy() for a in args]
+    routine = get_lapack_funcs(("gtsv",), (arrays[1],))[0]
+    if arrays[1].ndim == 1:
+        dl, d, du, b = arrays
+        return lambda: routine(dl, d, du, b)
+    systems = list(zip(*arrays))
+    return lambda: [routine(dl, d, du, b) for dl, d, du, b in systems]
+
+
+def _solve_banded(args):
+    arrays = [a.numpy() for a in args]
+    lower, diag, upper, rhs = arrays
+    if diag.ndim == 1:
+        lower, diag, upper, rhs = (a[None] for a in arrays)
+    bands = []
+    for dl, d, du in zip(lower, diag, upper):
+        ab = np.zeros((3, d.shape[0]), dtype=d.dtype)
+        ab[0, 1:], ab[1], ab[2, :-1] = du, d, dl
+        bands.append(ab)
+    return lambda: [scipy.linalg.solve_banded((1, 1), ab, b) for ab, b in zip(bands, rhs)]
+
+
+def _dense(lower, diag, upper, rhs):
+    return dense_solve(lower, diag, upper, rhs)
+
+
+def _torch_kernel(lower, diag, upper, rhs):
+    with torch_kernel_on_cpu():
+        return tridiagonal_solve(lower, diag, upper, rhs)
+
+
+TORCH_IMPLS = {
+    "torch.linalg.solve (dense)": _dense,
+    "pure-torch kernel": _torch_kernel,
+    "ch4 autograd.Function": tridiagonal_solve_function,
+    "ch5 custom_op": tridiagonal_solve_custom_op,
+    "tridiagonal_solve (final)": tridiagonal_solve,
+}
+COMPILED = ["ch5 custom_op", "tridiagonal_solve (final)"]
+
+
+def _wanted(impl: str, n: int, batch: int) -> bool:
+    if impl.startswith("torch.linalg.solve"):
+        return n <= DENSE_MAX_N and (batch or 1) * n * n <= 2 * 10**8
+    if impl == "pure-torch kernel":
+        return n <= TORCH_KERNEL_MAX_N
+    return True
+
+
+def _torch_callable(fn, args, mode):
+    if mode == "forward":
+        return lambda: fn(*args)
+    leaves = [a.detach().requires_grad_() for a in args]
+    cotangent = torch.ones_like(args[3])
+
+    def forward_backward():
+        x = fn(*leaves)
+        return torch.autograd.grad(x, leaves, cotangent)
+
+    return forward_backward
+
+
+def run(sizes=SINGLE_SIZES, batches=BATCHES, dtypes=(torch.float32, torch.float64),
+        threads=(1, None), compile=True, min_time=0.2, repeats=7, log=print):
+    """Measure everything; return a list of :class:`Result` (as dicts)."""
+    results = []
+    default_threads = torch.get_num_threads()
+    shapes = [(n, 0) for n in sizes] + [(n, b) for b, n in batches]
+    compiled_fns = {}
+    for nthreads in threads:
+        torch.set_num_threads(nthreads or default_threads)
+        actual_threads = torch.get_num_threads()
+        for dtype in dtypes:
+            dname = str(dtype).replace("torch.", "")
+            for n, batch in shapes:
+                args = _problem(n, batch, dtype)
+
+                def record(impl, mode, compiled, fn):
+                    seconds, times = _time(fn, min_time, repeats)
+                    results.append(Result(impl, mode, compiled, n, batch, dname, actual_threads,
+                                          seconds, times))
+                    label = f"{impl}{' [compiled]' if compiled else ''}"
+                    log(f"  {dname:8s} threads={actual_threads} n={n:>7d} batch={batch:>6d} "
+                        f"{mode:8s} {label:40s} {seconds * 1e6:12.1f} us")
+
+                record("dgtsv (raw LAPACK)", "forward", False, _raw_gtsv(args))
+                record("scipy solve_banded", "forward", False, _solve_banded(args))
+                for impl, fn in TORCH_IMPLS.items():
+                    if not _wanted(impl, n, batch):
+                        continue
+                    for mode in ("forward", "backward"):
+                        record(impl, mode, False, _torch_callable(fn, args, mode))
+                        if compile and impl in COMPILED:
+                            key = (impl, mode, dtype, batch > 0)
+                            if key not in compiled_fns:
+                                compiled_fns[key] = torch.compile(fn, fullgraph=True,
+                                                                  dynamic=True)
+                            record(impl, mode, True,
+                                   _torch_callable(compiled_fns[key], args, mode))
+    torch.set_num_threads(default_threads)
+    return [asdict(r) for r in results]
+
+
+def _lookup(results, **key):
+    for r in results:
+        if all(r[k] == v for k, v in key.items()):
+            return r["seconds"]
+    return None
+
+
+def evaluate_targets(results):
+    """The issue's targets as ratios to the baseline measured in the same run."""
+    final = "tridiagonal_solve (final)"
+    base = "dgtsv (raw LAPACK)"
+    rows = []
+    for (dtype, threads) in sorted({(r["dtype"], r["threads"]) for r in results}):
+        common = dict(dtype=dtype, threads=threads)
+
+        def ratio(impl, mode, n, batch, reference=base, compiled=False):
+            t = _lookup(results, impl=impl, mode=mode, n=n, batch=batch, compiled=compiled, **common)
+            b = _lookup(results, impl=reference, mode="forward", n=n, batch=batch, compiled=False,
+                        **common)
+            return None if t is None or b is None else t / b
+
+        ns = sorted({r["n"] for r in results if r["batch"] == 0})
+        for n in ns:
+            if n >= 10**4:
+                rows.append(dict(target="forward, one system, n >= 1e4: <= 1.2x dgtsv",
+                                 n=n, batch=0, limit=1.2, ratio=ratio(final, "forward", n, 0),
+                                 **common))
+            if n >= 10**5:
+                rows.append(dict(target="forward+backward (4 grads), n >= 1e5: <= 2.0x dgtsv",
+                                 n=n, batch=0, limit=2.0, ratio=ratio(final, "backward", n, 0),
+                                 **common))
+            if n == 100:
+                rows.append(dict(target="forward, n = 100: <= 10x dgtsv", n=n, batch=0,
+                                 limit=10.0, ratio=ratio(final, "forward", n, 0), **common))
+            if n == 1000:
+                dense = ratio("torch.linalg.solve (dense)", "forward", n, 0)
+                ours = ratio(final, "forward", n, 0)
+                rows.append(dict(target="n = 1000: >= 100x faster than dense (ratio <= 0.01)",
+                                 n=n, batch=0, limit=0.01,
+                                 ratio=None if dense is None else ours / dense, **common))
+        for batch, n in sorted({(r["batch"], r["n"]) for r in results if r["batch"]}):
+            rows.append(dict(target="batch forward: >= 3x faster than a loop of dgtsv "
+                                    "(ratio <= 0.333)",
+                             n=n, batch=batch, limit=1 / 3, ratio=ratio(final, "forward", n, batch),
+                             **common))
+    for row in rows:
+        row["met"] = row["ratio"] is not None and row["ratio"] <= row["limit"]
+    return rows
+
+
+def machine_info():
+    model = platform.processor()
+    try:
+        with open("/proc/cpuinfo") as f:
+            model = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    return {
+        "cpu": model,
+        "cores": os.cpu_count(),
+        "default_threads": torch.get_num_threads(),
+        "python": sys.version.split()[0],
+        "torch": torch.__version__,
+        "numpy": np.__version__,
+        "scipy": scipy.__version__,
+        "platform": platform.platform(),
+        "date": time.strftime("%Y-%m-%d"),
+        "env": {k: v for k, v in os.environ.items() if k.startswith(("OPENBLAS", "OMP", "MKL"))},
+    }
+
+
+def format_table(results, targets) -> str:
+    lines = [f"{'dtype':8s} {'thr':>3s} {'n':>8s} {'batch':>6s} {'mode':8s} {'implementation':42s} "
+             f"{'median':>12s} {'/dgtsv':>8s}"]
+    for r in results:
+        base = _lookup(results, impl="dgtsv (raw LAPACK)", mode="forward", n=r["n"],
+                       batch=r["batch"], dtype=r["dtype"], threads=r["threads"], compiled=False)
+        label = r["impl"] + (" [compiled]" if r["compiled"] else "")
+        lines.append(f"{r['dtype']:8s} {r['threads']:>3d} {r['n']:>8d} {r['batch']:>6d} "
+                     f"{r['mode']:8s} {label:42s} {r['seconds'] * 1e6:10.1f}us "
+                     f"{r['seconds'] / base:8.2f}")
+    lines.append("")
+    lines.append("Targets (ratio of medians measured in this run):")
+    for t in targets:
+        ratio = "n/a" if t["ratio"] is None else f"{t['ratio']:.3f}"
+        lines.append(f"  [{'met' if t['met'] else 'MISSED':6s}] {t['dtype']:8s} threads={t['threads']} "
+                     f"n={t['n']} batch={t['batch']}: {t['target']}: {ratio}")
+    return "\n".join(lines)
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="tiny sizes, one dtype: a smoke test")
+    parser.add_argument("--no-compile", action="store_true", help="skip torch.compile cases")
+    parser.add_argument("--out", default="benchmark_results.json", help="JSON file to write")
+    parser.add_argument("--min-time", type=float, default=0.2, help="seconds per repeat")
+    parser.add_argument("--repeats", type=int, default=7, help="repeats per median")
+    opts = parser.parse_args(argv)
+    if opts.quick:
+        config = dict(sizes=[8, 100], batches=[(16, 8)], dtypes=(torch.float64,), threads=(1,),
+                      min_time=0.001, repeats=3)
+    else:
+        config = dict(min_time=opts.min_time, repeats=opts.repeats)
+    results = run(compile=not opts.no_compile, **config)
+    targets = evaluate_targets(results)
+    report = {"machine": machine_info(), "config": {k: str(v) for k, v in config.items()},
+              "results": results, "targets": targets}
+    with open(opts.out, "w") as f:
+        json.dump(report, f, indent=1)
+    print(format_table(results, targets))
+    print(f"\nwrote {opts.out}")
+    return report
+
+
+if __name__ == "__main__":
+    main()
