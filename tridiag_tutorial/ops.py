@@ -3,10 +3,11 @@ r"""The public op, :func:`tridiagonal_solve`: the result of the whole tutorial.
 Design (chapter 7 explains it; chapter 5 shows the traps it gets around)::
 
     tridiagonal_solve(lower, diag, upper, rhs)      validate + broadcast (one place)
+        |-- nothing observes the call (no grad, no transform, no mode): the kernel, directly
         |-- eager:     _TridiagonalSolve.apply      autograd.Function: backward, jvp, vmap
         |-- compiling: torch.ops.tridiag_tutorial.tridiagonal_solve
         |                                           custom op: fake kernel, autograd, vmap
-        `-- both run the same kernel: LAPACK ?gtsv on CPU, the batched torch kernel elsewhere
+        `-- all run the same kernels: LAPACK on CPU, the batched torch kernel elsewhere
 
 Why two paths? On torch 2.13 (measured in chapter 5):
 
@@ -19,8 +20,13 @@ So eager code (including every ``torch.func`` transform and forward-mode AD) goe
 ``autograd.Function``, which defines ``setup_context``, ``backward``, ``jvp`` and ``vmap``; code
 being compiled (``torch.compiler.is_compiling()``) goes through the custom op, which Dynamo treats
 as one opaque node with a fake kernel and a registered backward. Both use the rules of
-:mod:`tridiag_tutorial.rules`, and both backward passes call the differentiable solve again on
-``A^H``, so derivatives of any order work.
+:mod:`tridiag_tutorial.rules`.
+
+Factor reuse (eager path): when a backward pass will follow, the forward factors ``A = LU`` once
+(``?gttrf``) and keeps the factors; a plain first-order backward then solves ``A^H v = g`` from them
+(``?gttrs`` with ``trans='T'``/``'C'``) instead of factoring again. A backward that is itself being
+differentiated (``create_graph=True``, ``torch.func``) calls the differentiable solve on ``A^H``
+instead, so derivatives of any order work.
 """
 
 from __future__ import annotations
