@@ -4,7 +4,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed-stamp
 
-.PHONY: test unit nbval book clean
+.PHONY: test unit nbval book book-check clean
 
 $(STAMP): requirements-pinned.txt pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -25,6 +25,11 @@ book: $(STAMP)
 	$(PY) .ci/check_notebooks.py notebooks
 	rm -rf _build/html
 	$(VENV)/bin/jupyter-book build . -W -n --keep-going
+
+# The built book in headless Chromium: maths typeset, images loaded, no console errors
+# (installs Debian's chromium when run as root); screenshot in _build/screenshot-chapter.png.
+book-check: book
+	$(PY) tests/browser_check.py _build/html
 
 clean:
 	rm -rf _build $(VENV)
