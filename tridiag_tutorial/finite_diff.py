@@ -157,9 +157,8 @@ def numerical_gradient(fn: Callable[..., torch.Tensor],
     For every element ``x[j]`` of every tensor in ``inputs`` this evaluates
     ``(fn(..., x + eps e_j, ...) - fn(..., x - eps e_j, ...)) / (2 eps)``, so it calls ``fn``
     ``2 * (total number of elements) + 1`` times (the extra call checks the output): use it
-    on small tests only. The inputs are
-    never modified: each call of ``fn`` receives fresh copies. Gradient tracking is off while
-    ``fn`` runs.
+    on small tests only. The inputs are never modified: each call of ``fn`` receives fresh
+    copies. Gradient tracking is off while ``fn`` runs.
 
     Args:
         fn: called as ``fn(*inputs)``; must return a tensor with exactly one element.

@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# Run every chapter notebook the way a Colab reader meets it, under strict nbval:
+#   - the package comes from a wheel built from this checkout, installed into a fresh virtual
+#     environment that holds only the package and what it and the notebooks need (pinned);
+#   - the notebooks run from a copy outside the repository, so no repository file is on sys.path.
+# Extra arguments go to pytest (e.g. a notebook name: .ci/nbval_from_wheel.sh 03_adjoint.ipynb).
+set -euo pipefail
+repo=$(cd "$(dirname "$0")/.." && pwd)
+builder=${BUILD_PYTHON:-$repo/.venv/bin/python}
+work=$(mktemp -d "${TMPDIR:-/tmp}/tridiag-nbval.XXXXXX")
+trap 'rm -rf "$work"' EXIT
+
+"$builder" -m pip wheel --quiet --no-deps --no-build-isolation --wheel-dir "$work/dist" "$repo"
+python3 -m venv "$work/venv"
+py="$work/venv/bin/python"
+"$py" -m pip install --quiet --constraint "$repo/requirements-pinned.txt" \
+    torch numpy scipy matplotlib matplotlib-inline ipykernel nbval pytest
+"$py" -m pip install --quiet --no-deps "$work"/dist/*.whl
+
+cp -r "$repo/notebooks" "$work/notebooks"
+cd "$work/notebooks"
+unset PYTHONPATH
+"$py" - "$repo" <<'PY'
+import sys, tridiag_tutorial
+from pathlib import Path
+repo, where = Path(sys.argv[1]).resolve(), Path(tridiag_tutorial.__file__).resolve()
+assert repo not in where.parents, f"tridiag_tutorial imported from the repository: {where}"
+assert "site-packages" in where.parts, f"tridiag_tutorial not from the installed wheel: {where}"
+print(f"tridiag_tutorial {tridiag_tutorial.__version__} from the wheel: {where.parent}")
+PY
+"$py" -m pytest -p no:cacheprovider --nbval --nbval-sanitize-with nbval-sanitize.cfg "${@:-.}"
