@@ -55,10 +55,13 @@ def band_gradients(v: torch.Tensor, x: torch.Tensor):
     ``grad_diag[i] = -sum_k v[i, k] conj(x[i, k])``,
     ``grad_upper[i] = -sum_k v[i, k] conj(x[i+1, k])`` (entry ``(i, i+1)``).
     """
-    xc = x.conj()
-    grad_diag = -(v * xc).sum(-1)
-    grad_lower = -(v[..., 1:, :] * xc[..., :-1, :]).sum(-1)
-    grad_upper = -(v[..., :-1, :] * xc[..., 1:, :]).sum(-1)
+    minus_v, xc = -v, x.conj()  # negate once, not three times: these are O(n) memory passes
+    if v.shape[-1] == 1:  # one column: nothing to sum, and four passes over memory instead of nine
+        minus_v, xc = minus_v.squeeze(-1), xc.squeeze(-1)
+        return minus_v[..., 1:] * xc[..., :-1], minus_v * xc, minus_v[..., :-1] * xc[..., 1:]
+    grad_diag = (minus_v * xc).sum(-1)
+    grad_lower = (minus_v[..., 1:, :] * xc[..., :-1, :]).sum(-1)
+    grad_upper = (minus_v[..., :-1, :] * xc[..., 1:, :]).sum(-1)
     return grad_lower, grad_diag, grad_upper
 
 
