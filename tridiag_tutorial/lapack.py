@@ -184,26 +184,46 @@ def solve(lower: np.ndarray, diag: np.ndarray, upper: np.ndarray, rhs: np.ndarra
     return x
 
 
-def _pack(factors: LUFactors, size: int, n: int) -> np.ndarray:
-    """Store a joined system's factors as one array ``(size, 5, n)`` of the input's dtype.
+def _factor_packed(dl, d, du, size: int, n: int):
+    """Factor a joined system (:func:`_join`) with ``?gttrf`` *in place* in one packed array.
 
-    Rows: ``dl``, ``d``, ``du``, ``du2`` (each padded with zeros to ``n`` per system) and the pivot
-    flags ``ipiv[i] - (i + 1)`` (1 where rows ``i`` and ``i + 1`` were interchanged). Flags
-    relative to each row, unlike LAPACK's absolute indices, stay valid however the systems are
-    later sliced, stacked or re-batched (``vmap``).
+    The packed array is ``(5, m)``: rows ``dl``, ``d``, ``du``, ``du2`` (zero-padded) and the pivot
+    flags ``ipiv[i] - (i + 1)`` (1 where rows ``i`` and ``i + 1`` were interchanged). Flags relative
+    to each row, unlike LAPACK's absolute indices, stay valid however the systems are later sliced,
+    stacked or re-batched (``vmap``). ``m = max(size * n, 3)``: SciPy's wrapper needs 3 rows, so a
+    smaller system is padded with identity rows (see :func:`_pad`).
+
+    The bands are copied into the packed array once and factored there (``overwrite_*=1``), so
+    the caller's arrays are untouched and no other copy is made: for large n, fresh memory costs as
+    much as the factorisation itself. Returns ``(packed, factors)``, the latter viewing the former.
     """
-    rows, m = size * n, factors.d.shape[0]  # m > rows when gttrf ran on a padded system
-    out = np.empty((5, m), dtype=factors.d.dtype)
-    for row, band in enumerate((factors.dl, factors.d, factors.du, factors.du2)):
-        out[row, : band.shape[0]] = band
-        out[row, band.shape[0]:] = 0
-    np.subtract(factors.ipiv, np.arange(1, m + 1), out=out[4], casting="unsafe")
-    out = out[:, :rows].reshape(5, size, n).transpose(1, 0, 2)
-    return np.ascontiguousarray(out)  # no copy for one system without padding
+    rows = size * n
+    m = max(rows, 3)
+    packed = np.empty((5, m), dtype=d.dtype)
+    packed[0, : rows - 1], packed[0, rows - 1:] = dl, 0
+    packed[1, :rows], packed[1, rows:] = d, 1
+    packed[2, : rows - 1], packed[2, rows - 1:] = du, 0
+    (routine,) = get_lapack_funcs(("gttrf",), (d,))
+    out_dl, out_d, out_du, du2, ipiv, info = routine(
+        packed[0, : m - 1], packed[1], packed[2, : m - 1],
+        overwrite_dl=1, overwrite_d=1, overwrite_du=1)
+    _check_info(info, routine.typecode + "gttrf")
+    packed[0, : m - 1], packed[1], packed[2, : m - 1] = out_dl, out_d, out_du  # no-ops if in place
+    packed[3, : m - 2], packed[3, m - 2:] = du2, 0
+    np.subtract(ipiv, np.arange(1, m + 1, dtype=ipiv.dtype), out=packed[4], casting="unsafe")
+    factors = LUFactors(packed[0, : m - 1], packed[1], packed[2, : m - 1], packed[3, : m - 2],
+                        ipiv, rows)
+    return packed, factors
+
+
+def _batched(packed: np.ndarray, size: int, n: int) -> np.ndarray:
+    """``(5, m)`` packed factors of a joined system -> ``(size, 5, n)``, one block per system."""
+    out = packed[:, : size * n].reshape(5, size, n).transpose(1, 0, 2)
+    return np.ascontiguousarray(out)  # no copy for one system of 3 rows or more
 
 
 def _unpack(lu: np.ndarray) -> LUFactors:
-    """The inverse of :func:`_pack`; for one system the bands are views, not copies."""
+    """The inverse of packed, see :func:`_factor_packed`; for one system the bands are views, not copies."""
     size, _, n = lu.shape
     rows = size * n
     joined = lu.transpose(1, 0, 2).reshape(5, rows)  # a view when size == 1
@@ -223,7 +243,7 @@ def factor_solve(lower, diag, upper, rhs):
     """Like :func:`solve`, with ``?gttrf`` + ``?gttrs``, also returning the LU factors.
 
     Returns ``(x, lu)``: ``x`` ``(*batch, n, k)`` and ``lu`` ``(*batch, 5, n)`` (see
-    :func:`_pack`), which :func:`lu_solve` reuses to solve with ``A``, ``A^T`` or ``A^H``.
+    packed, see :func:`_factor_packed`), which :func:`lu_solve` reuses to solve with ``A``, ``A^T`` or ``A^H``.
     """
     batch, n = diag.shape[:-1], diag.shape[-1]
     size = int(np.prod(batch))
@@ -231,8 +251,8 @@ def factor_solve(lower, diag, upper, rhs):
         return np.empty(rhs.shape, dtype=rhs.dtype), np.zeros(batch + (5, n), dtype=diag.dtype)
 
     def factor_one(dl, d, du, b, size=1):
-        factors = gttrf(dl, d, du)
-        return gttrs(factors, b), _pack(factors, size, n)
+        packed, factors = _factor_packed(dl, d, du, size, n)
+        return gttrs(factors, b), _batched(packed, size, n)
 
     dl, d, du, b = _join(lower, diag, upper, rhs)
     try:

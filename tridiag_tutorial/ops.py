@@ -50,6 +50,10 @@ __all__ = ["tridiagonal_solve"]
 def _factor_solve_op(lower: torch.Tensor, diag: torch.Tensor, upper: torch.Tensor,
                      rhs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``(x, lu)``: the solution and the packed LU factors ``(*B, 5, n)`` (``?gttrf`` + ``?gttrs``)."""
+    return _factor_solve_kernel(lower, diag, upper, rhs)
+
+
+def _factor_solve_kernel(lower, diag, upper, rhs):
     if _use_lapack(rhs):
         x, lu = lapack.factor_solve(*_numpy(lower, diag, upper, rhs))
         return torch.from_numpy(x), torch.from_numpy(lu)
@@ -69,6 +73,10 @@ def _lu_solve_op(lu: torch.Tensor, rhs: torch.Tensor, trans: str) -> torch.Tenso
     Not differentiable on purpose: it serves only a backward pass that is not itself being
     differentiated (see :meth:`_TridiagonalSolve.backward`).
     """
+    return _lu_solve_kernel(lu, rhs, trans)
+
+
+def _lu_solve_kernel(lu, rhs, trans):
     if _use_lapack(rhs):
         return torch.from_numpy(lapack.lu_solve(*_numpy(lu, rhs), trans))
     return torch_kernel.lu_solve(lu, rhs, trans)
@@ -79,30 +87,34 @@ def _lu_solve_fake(lu, rhs, trans):
     return rhs.new_empty(rhs.shape)
 
 
+def _direct(*tensors) -> bool:
+    """True when the kernels may be called on these tensors directly, skipping the dispatcher:
+    no ``torch.func`` transform is active, no dispatch or function mode is installed, and they are
+    plain tensors with data (no subclass, no FakeTensor or meta tensor, no functorch wrapper). Dispatching a
+    custom op costs tens of microseconds in Python, more than LAPACK needs for n = 100."""
+    if _get_current_dispatch_mode() is not None or torch._C._is_torch_function_mode_enabled():
+        return False
+    if torch._C._functorch.peek_interpreter_stack() is not None:  # inside a torch.func transform
+        return False
+    for t in tensors:
+        if type(t) is not torch.Tensor or t.device.type == "meta":
+            return False
+        functorch = torch._C._functorch
+        if (functorch.is_functorch_wrapped_tensor(t) or functorch.is_batchedtensor(t)
+                or functorch.is_legacy_batchedtensor(t)):  # the last: gradcheck's batched checks
+            return False
+    return True
+
+
 def _unobserved(args) -> bool:
     """True when nothing but the result of this call matters: no gradient will be asked for, no
-    ``torch.func`` transform or forward-AD level is active, no dispatch or function mode is
-    installed, and the inputs are plain tensors with data. Then the kernel can be called directly,
-    saving the tens of microseconds that ``autograd.Function`` and custom-op dispatch cost."""
-    if torch._C._functorch.peek_interpreter_stack() is not None or forward_ad._current_level >= 0:
-        return False
-    if _get_current_dispatch_mode() is not None or torch._C._is_torch_function_mode_enabled():
+    ``torch.func`` transform or forward-AD level is active, and :func:`_direct` holds. Then the
+    public function calls the kernel without ``autograd.Function`` or the custom op."""
+    if forward_ad._current_level >= 0:
         return False
     if torch.is_grad_enabled() and any(t.requires_grad for t in args):
         return False
-    return all(type(t) is torch.Tensor and t.device.type != "meta" for t in args)
-
-
-def _is_plain(*tensors) -> bool:
-    """True when no transform watches these tensors: no functorch wrapper, no forward-AD tangent."""
-    for t in tensors:
-        if torch._C._functorch.is_functorch_wrapped_tensor(t):
-            return False
-        if torch._C._functorch.is_batchedtensor(t):
-            return False
-        if forward_ad.unpack_dual(t).tangent is not None:
-            return False
-    return True
+    return _direct(*args)
 
 
 # --------------------------------------------------------------------------------------------
@@ -113,24 +125,30 @@ class _TridiagonalSolve(torch.autograd.Function):
 
     @staticmethod
     def forward(lower, diag, upper, rhs, keep_lu):
+        direct = _direct(lower, diag, upper, rhs)  # else the custom ops (fake kernels, modes)
         if keep_lu:
-            return _factor_solve_op(lower, diag, upper, rhs)
-        return _solve_op(lower, diag, upper, rhs), diag.new_empty(diag.shape[:-1] + (0,))
+            return (_factor_solve_kernel if direct else _factor_solve_op)(lower, diag, upper, rhs)
+        x = (_solve_kernel if direct else _solve_op)(lower, diag, upper, rhs)
+        return x, diag.new_empty(diag.shape[:-1] + (0,))
 
     @staticmethod
     def setup_context(ctx, inputs, output):
         lower, diag, upper, _, _ = inputs
         x, lu = output
         ctx.mark_non_differentiable(lu)
+        ctx.set_materialize_grads(False)  # no zero-filled (..., 5, n) gradient for lu, ever
         ctx.save_for_backward(lower, diag, upper, x, lu)
         ctx.save_for_forward(lower, diag, upper, x)
 
     @staticmethod
     def backward(ctx, grad_x, _grad_lu):
         lower, diag, upper, x, lu = ctx.saved_tensors
-        if lu.numel() and not torch.is_grad_enabled() and _is_plain(grad_x, x, lower, diag, upper):
+        if grad_x is None:  # grads are not materialised: x was not used by the loss
+            return None, None, None, None, None
+        plain = not torch.is_grad_enabled() and forward_ad._current_level < 0  # no AD watching
+        if lu.numel() and plain and _direct(grad_x, x, lu):
             # First-order backward, not itself differentiated: reuse the forward's factors.
-            v = _lu_solve_op(lu, grad_x, "C" if x.is_complex() else "T")
+            v = _lu_solve_kernel(lu, grad_x, "C" if x.is_complex() else "T")
             return (*rules.band_gradients(v, x), v, None)
         # Otherwise solve again through the differentiable op, so higher derivatives work.
         return (*rules.solve_backward(_differentiable_solve, lower, diag, upper, x, grad_x), None)
