@@ -2,7 +2,7 @@
 
 Run::
 
-    python -m tridiag_tutorial.benchmarks                  # the full suite (about 10-20 minutes)
+    python -m tridiag_tutorial.benchmarks                  # the full suite (about 20-40 minutes)
     python -m tridiag_tutorial.benchmarks --quick          # tiny sizes: a smoke test
     python -m tridiag_tutorial.benchmarks --out results.json
 
@@ -157,15 +157,23 @@ def _torch_callable(fn, args, mode):
 
 
 def run(sizes=SINGLE_SIZES, batches=BATCHES, dtypes=(torch.float32, torch.float64),
-        threads=(1, None), compile=True, min_time=0.2, repeats=7, log=print):
-    """Measure everything; return a list of :class:`Result` (as dicts)."""
+        threads=(1, None), compile=True, min_time=0.2, repeats=7, log=print, progress=None):
+    """Measure everything; return a list of :class:`Result` (as dicts).
+
+    ``progress``, if given, is called with the results so far after each thread count and dtype.
+    """
     results = []
     default_threads = torch.get_num_threads()
     shapes = [(n, 0) for n in sizes] + [(n, b) for b, n in batches]
     compiled_fns = {}
+    # Each (function, dtype, rank, mode) compiles once with dynamic shapes; all of them share one
+    # code object's cache in Dynamo, so the default limit of 8 entries is too small here.
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
     for nthreads in threads:
         torch.set_num_threads(nthreads or default_threads)
         actual_threads = torch.get_num_threads()
+        torch._dynamo.reset()  # the thread count is part of Dynamo's guards: start afresh
+        compiled_fns.clear()
         for dtype in dtypes:
             dname = str(dtype).replace("torch.", "")
             for n, batch in shapes:
@@ -193,6 +201,8 @@ def run(sizes=SINGLE_SIZES, batches=BATCHES, dtypes=(torch.float32, torch.float6
                                                                   dynamic=True)
                             record(impl, mode, True,
                                    _torch_callable(compiled_fns[key], args, mode))
+            if progress is not None:
+                progress([asdict(r) for r in results])
     torch.set_num_threads(default_threads)
     return [asdict(r) for r in results]
 
@@ -300,12 +310,16 @@ def main(argv=None):
                       min_time=0.001, repeats=3)
     else:
         config = dict(min_time=opts.min_time, repeats=opts.repeats)
-    results = run(compile=not opts.no_compile, **config)
-    targets = evaluate_targets(results)
-    report = {"machine": machine_info(), "config": {k: str(v) for k, v in config.items()},
-              "results": results, "targets": targets}
-    with open(opts.out, "w") as f:
-        json.dump(report, f, indent=1)
+    def write(results):
+        report = {"machine": machine_info(), "config": {k: str(v) for k, v in config.items()},
+                  "results": results, "targets": evaluate_targets(results)}
+        with open(opts.out, "w") as f:
+            json.dump(report, f, indent=1)
+        return report
+
+    results = run(compile=not opts.no_compile, progress=write, **config)
+    report = write(results)
+    targets = report["targets"]
     print(format_table(results, targets))
     print(f"\nwrote {opts.out}")
     return report
