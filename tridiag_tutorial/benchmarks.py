@@ -58,8 +58,9 @@ class Result:
     batch: int  # 0 for a single system
     dtype: str
     threads: int
-    seconds: float  # median time of one call
+    seconds: float | None  # median time of one call; None if the call failed
     repeats: list = field(default_factory=list)
+    error: str | None = None  # the exception, when the implementation failed on this case
 
 
 def _time(fn, min_time: float, repeats: int) -> tuple[float, list]:
@@ -180,12 +181,20 @@ def run(sizes=SINGLE_SIZES, batches=BATCHES, dtypes=(torch.float32, torch.float6
                 args = _problem(n, batch, dtype)
 
                 def record(impl, mode, compiled, fn):
-                    seconds, times = _time(fn, min_time, repeats)
+                    label = f"{impl}{' [compiled]' if compiled else ''}"
+                    where = (f"  {dname:8s} threads={actual_threads} n={n:>7d} batch={batch:>6d} "
+                             f"{mode:8s} {label:40s}")
+                    try:
+                        seconds, times = _time(fn, min_time, repeats)
+                    except Exception as err:  # a failing implementation is a result too
+                        error = f"{type(err).__name__}: {str(err).splitlines()[0]}"
+                        results.append(Result(impl, mode, compiled, n, batch, dname,
+                                              actual_threads, None, [], error))
+                        log(f"{where} FAILED {error}")
+                        return
                     results.append(Result(impl, mode, compiled, n, batch, dname, actual_threads,
                                           seconds, times))
-                    label = f"{impl}{' [compiled]' if compiled else ''}"
-                    log(f"  {dname:8s} threads={actual_threads} n={n:>7d} batch={batch:>6d} "
-                        f"{mode:8s} {label:40s} {seconds * 1e6:12.1f} us")
+                    log(f"{where} {seconds * 1e6:12.1f} us")
 
                 record("dgtsv (raw LAPACK)", "forward", False, _raw_gtsv(args))
                 record("scipy solve_banded", "forward", False, _solve_banded(args))
@@ -209,7 +218,7 @@ def run(sizes=SINGLE_SIZES, batches=BATCHES, dtypes=(torch.float32, torch.float6
 
 def _lookup(results, **key):
     for r in results:
-        if all(r[k] == v for k, v in key.items()):
+        if all(r[k] == v for k, v in key.items()) and r["seconds"] is not None:
             return r["seconds"]
     return None
 
@@ -285,9 +294,12 @@ def format_table(results, targets) -> str:
         base = _lookup(results, impl="dgtsv (raw LAPACK)", mode="forward", n=r["n"],
                        batch=r["batch"], dtype=r["dtype"], threads=r["threads"], compiled=False)
         label = r["impl"] + (" [compiled]" if r["compiled"] else "")
-        lines.append(f"{r['dtype']:8s} {r['threads']:>3d} {r['n']:>8d} {r['batch']:>6d} "
-                     f"{r['mode']:8s} {label:42s} {r['seconds'] * 1e6:10.1f}us "
-                     f"{r['seconds'] / base:8.2f}")
+        head = (f"{r['dtype']:8s} {r['threads']:>3d} {r['n']:>8d} {r['batch']:>6d} "
+                f"{r['mode']:8s} {label:42s}")
+        if r["seconds"] is None:
+            lines.append(f"{head} FAILED: {r['error']}")
+        else:
+            lines.append(f"{head} {r['seconds'] * 1e6:10.1f}us {r['seconds'] / base:8.2f}")
     lines.append("")
     lines.append("Targets (ratio of medians measured in this run):")
     for t in targets:
@@ -304,22 +316,31 @@ def main(argv=None):
     parser.add_argument("--out", default="benchmark_results.json", help="JSON file to write")
     parser.add_argument("--min-time", type=float, default=0.2, help="seconds per repeat")
     parser.add_argument("--repeats", type=int, default=7, help="repeats per median")
+    parser.add_argument("--threads", default="1,default",
+                        help="comma-separated thread counts; 'default' is torch's default")
+    parser.add_argument("--merge", help="a previous results JSON whose results come first")
     opts = parser.parse_args(argv)
     if opts.quick:
         config = dict(sizes=[8, 100], batches=[(16, 8)], dtypes=(torch.float64,), threads=(1,),
                       min_time=0.001, repeats=3)
     else:
-        config = dict(min_time=opts.min_time, repeats=opts.repeats)
+        threads = tuple(None if t == "default" else int(t) for t in opts.threads.split(","))
+        config = dict(min_time=opts.min_time, repeats=opts.repeats, threads=threads)
+    earlier = []
+    if opts.merge:
+        with open(opts.merge) as f:
+            earlier = json.load(f)["results"]
+
     def write(results):
+        results = earlier + results
         report = {"machine": machine_info(), "config": {k: str(v) for k, v in config.items()},
                   "results": results, "targets": evaluate_targets(results)}
         with open(opts.out, "w") as f:
             json.dump(report, f, indent=1)
         return report
 
-    results = run(compile=not opts.no_compile, progress=write, **config)
-    report = write(results)
-    targets = report["targets"]
+    report = write(run(compile=not opts.no_compile, progress=write, **config))
+    results, targets = report["results"], report["targets"]
     print(format_table(results, targets))
     print(f"\nwrote {opts.out}")
     return report
