@@ -92,6 +92,8 @@ def _direct(*tensors) -> bool:
     no ``torch.func`` transform is active, no dispatch or function mode is installed, and they are
     plain tensors with data (no subclass, no FakeTensor or meta tensor, no functorch wrapper). Dispatching a
     custom op costs tens of microseconds in Python, more than LAPACK needs for n = 100."""
+    if torch.compiler.is_compiling():  # Dynamo traces the custom ops, never the NumPy kernels
+        return False
     if _get_current_dispatch_mode() is not None or torch._C._is_torch_function_mode_enabled():
         return False
     if torch._C._functorch.peek_interpreter_stack() is not None:  # inside a torch.func transform
