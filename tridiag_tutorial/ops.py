@@ -66,25 +66,15 @@ def _factor_solve_fake(lower, diag, upper, rhs):
     return rhs.new_empty(rhs.shape), diag.new_empty(diag.shape[:-1] + (5, diag.shape[-1]))
 
 
-@torch.library.custom_op("tridiag_tutorial::lu_solve", mutates_args=())
-def _lu_solve_op(lu: torch.Tensor, rhs: torch.Tensor, trans: str) -> torch.Tensor:
+def _lu_solve_kernel(lu, rhs, trans):
     """Solve with ``A`` (``'N'``), ``A^T`` (``'T'``) or ``A^H`` (``'C'``) from packed factors.
 
-    Not differentiable on purpose: it serves only a backward pass that is not itself being
-    differentiated (see :meth:`_TridiagonalSolve.backward`).
+    Not differentiable on purpose, and called directly (never dispatched): it serves only a
+    first-order backward that nothing observes (see :meth:`_TridiagonalSolve.backward`).
     """
-    return _lu_solve_kernel(lu, rhs, trans)
-
-
-def _lu_solve_kernel(lu, rhs, trans):
     if _use_lapack(rhs):
         return torch.from_numpy(lapack.lu_solve(*_numpy(lu, rhs), trans))
     return torch_kernel.lu_solve(lu, rhs, trans)
-
-
-@_lu_solve_op.register_fake
-def _lu_solve_fake(lu, rhs, trans):
-    return rhs.new_empty(rhs.shape)
 
 
 def _direct(*tensors) -> bool:
