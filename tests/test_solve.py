@@ -2,7 +2,6 @@
 
 import doctest
 
-import numpy as np
 import pytest
 import torch
 

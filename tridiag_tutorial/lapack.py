@@ -149,7 +149,7 @@ def _join(lower, diag, upper, rhs):
 
 def _solve_each(lower, diag, upper, rhs, solve_one):
     """Apply ``solve_one`` to each system of the batch; name the batch element on failure."""
-    batch, n = diag.shape[:-1], diag.shape[-1]
+    batch = diag.shape[:-1]
     size = int(np.prod(batch))
     flat = [a.reshape(size, *a.shape[len(batch):]) for a in (lower, diag, upper, rhs)]
     results = []
