@@ -7,6 +7,7 @@ from torch.autograd import gradcheck, gradgradcheck
 
 from tridiag_tutorial import dense_solve, lapack, torch_kernel, tridiagonal_solve
 from tridiag_tutorial.custom_op import torch_kernel_on_cpu
+from tridiag_tutorial.ops import _factor_reuse
 
 from conftest import ALL_DTYPES, assert_close, make_system
 
@@ -81,20 +82,24 @@ def test_torch_kernel_needs_no_diagonal_dominance():
     torch.testing.assert_close(x, torch.tensor([1.0, 2.0, 3.0], dtype=torch.float64))
 
 
+def on_kernel(kernel, fn, *args):
+    if kernel == "torch":
+        with torch_kernel_on_cpu():
+            return fn(*args)
+    return fn(*args)
+
+
 @pytest.mark.parametrize("kernel", ["lapack", "torch"])
-@pytest.mark.parametrize("grad", [False, True], ids=["forward", "factor-path"])
-def test_singular_error_is_the_same_on_every_kernel(kernel, grad):
+@pytest.mark.parametrize("path", ["forward", "solve-path", "factor-path"])
+def test_singular_error_is_the_same_on_every_kernel(kernel, path):
     lower, diag, upper, rhs = make_system(4, (2, 3), seed=31)
     diag[1, 0, 2], lower[1, 0, 2], upper[1, 0, 1] = 0.0, 0.0, 0.0  # column 2 of system (1, 0)
-    if grad:
+    if path != "forward":
         diag.requires_grad_()
     expected = r"singular: pivot U\[2, 2\] is exactly zero, in batch element \(1, 0\)$"
     with pytest.raises(torch.linalg.LinAlgError, match=expected):
-        if kernel == "torch":
-            with torch_kernel_on_cpu():
-                tridiagonal_solve(lower, diag, upper, rhs)
-        else:
-            tridiagonal_solve(lower, diag, upper, rhs)
+        with _factor_reuse(path == "factor-path"):
+            on_kernel(kernel, tridiagonal_solve, lower, diag, upper, rhs)
 
 
 @pytest.mark.parametrize("kernel", ["lapack", "torch"])
@@ -113,20 +118,83 @@ def test_non_finite_input_stays_in_its_own_system(kernel, bad):
     assert_close(x[others], dense_solve(*(a[others] for a in args)))
 
 
-def test_backward_reuses_the_forward_factors(monkeypatch):
-    """A plain .backward() factors once (?gttrf) and solves with A^T from those factors."""
+def count_calls(monkeypatch, module, names):
+    """Record, in order, the calls to ``module.<name>`` (with ``trans`` for ``lu_solve``)."""
     calls = []
-    for name in ("solve", "factor_solve", "lu_solve"):
-        original = getattr(lapack, name)
-        monkeypatch.setattr(lapack, name,
-                            lambda *a, _f=original, _n=name, **k: calls.append(_n) or _f(*a, **k))
-    args = make_system(6, (2,), 2, requires_grad=True, seed=33)
-    tridiagonal_solve(*args).pow(2).sum().backward()
-    assert calls == ["factor_solve", "lu_solve"]
+    for name in names:
+        original = getattr(module, name)
+
+        def counting(*a, _f=original, _n=name, **k):
+            trans = k.get("trans", a[2] if len(a) > 2 else "N")
+            calls.append(f"{_n}({trans})" if _n == "lu_solve" else _n)
+            return _f(*a, **k)
+
+        monkeypatch.setattr(module, name, counting)
+    return calls
+
+
+LAPACK_ENTRY_POINTS = ("solve", "factor_solve", "lu_solve")
+
+
+@pytest.mark.parametrize(
+    "dtype, batch, k, reuses",
+    [(torch.float64, (), None, False),  # real: ?gtsv twice is as fast as reuse, and needs no memory
+     (torch.float64, (3,), 2, False),  # batches: reuse measured 10-40% slower
+     (torch.complex128, (), None, True),  # one complex system: reuse measured 3-15% faster
+     (torch.complex128, (), 2, False),  # ... but not with several right-hand sides
+     (torch.complex128, (3,), None, False)],
+    ids=["real", "real-batch", "complex", "complex-k", "complex-batch"])
+def test_lapack_backward_reuses_factors_where_measured_faster(monkeypatch, dtype, batch, k,
+                                                             reuses):
+    calls = count_calls(monkeypatch, lapack, LAPACK_ENTRY_POINTS)
+    args = make_system(6, batch, k, dtype=dtype, requires_grad=True, seed=33)
+    grads = torch.autograd.grad(tridiagonal_solve(*args).abs().pow(2).sum(), args)
+    trans = "C" if dtype.is_complex else "T"
+    assert calls == (["factor_solve", f"lu_solve({trans})"] if reuses else ["solve", "solve"])
+    expected = torch.autograd.grad(dense_solve(*args).abs().pow(2).sum(), args)
+    for g, e in zip(grads, expected):
+        assert_close(g, e, dtype)
     calls.clear()
     with torch.no_grad():
         tridiagonal_solve(*args)
     assert calls == ["solve"]  # no factors kept when no backward can follow
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.complex128], ids=str)
+def test_torch_kernel_backward_reuses_the_forward_factors(monkeypatch, dtype):
+    """The pure-torch kernel factors once and solves with A (forward) then A^T or A^H (backward)."""
+    calls = count_calls(monkeypatch, torch_kernel, ("factor", "lu_solve"))
+    args = make_system(6, (2,), 2, dtype=dtype, requires_grad=True, seed=34)
+    with torch_kernel_on_cpu():
+        grads = torch.autograd.grad(tridiagonal_solve(*args).abs().pow(2).sum(), args)
+    assert calls == ["factor", "lu_solve(N)", f"lu_solve({'C' if dtype.is_complex else 'T'})"]
+    expected = torch.autograd.grad(dense_solve(*args).abs().pow(2).sum(), args)
+    for g, e in zip(grads, expected):
+        assert_close(g, e, dtype)
+
+
+@pytest.mark.parametrize("kernel", ["lapack", "torch"])
+@pytest.mark.parametrize("reuse", [False, True], ids=["solve-twice", "reuse"])
+@pytest.mark.parametrize("dtype", ALL_DTYPES, ids=str)
+def test_both_backward_strategies_match_dense(kernel, reuse, dtype):
+    """Whichever strategy the policy picks, on either kernel, gives the dense gradients."""
+    args = make_system(7, (2, 3), 2, dtype=dtype, requires_grad=True, seed=35)
+    loss = lambda *a: tridiagonal_solve(*a).abs().pow(2).sum()
+    with _factor_reuse(reuse):
+        grads = on_kernel(kernel, lambda: torch.autograd.grad(loss(*args), args))
+    expected = torch.autograd.grad(dense_solve(*args).abs().pow(2).sum(), args)
+    for g, e in zip(grads, expected):
+        assert_close(g, e, dtype)
+
+
+@pytest.mark.parametrize("reuse", [False, True], ids=["solve-twice", "reuse"])
+def test_forced_strategy_is_what_runs(monkeypatch, reuse):
+    """The override really switches the strategy (so the test above compares two code paths)."""
+    calls = count_calls(monkeypatch, lapack, LAPACK_ENTRY_POINTS)
+    args = make_system(5, (2,), dtype=torch.float32, requires_grad=True, seed=36)
+    with _factor_reuse(reuse):
+        tridiagonal_solve(*args).sum().backward()
+    assert calls == (["factor_solve", "lu_solve(T)"] if reuse else ["solve", "solve"])
 
 
 @CUDA

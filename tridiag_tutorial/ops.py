@@ -22,14 +22,19 @@ being compiled (``torch.compiler.is_compiling()``) goes through the custom op, w
 as one opaque node with a fake kernel and a registered backward. Both use the rules of
 :mod:`tridiag_tutorial.rules`.
 
-Factor reuse (eager path): when a backward pass will follow, the forward factors ``A = LU`` once
-(``?gttrf``) and keeps the factors; a plain first-order backward then solves ``A^H v = g`` from them
-(``?gttrs`` with ``trans='T'``/``'C'``) instead of factoring again. A backward that is itself being
-differentiated (``create_graph=True``, ``torch.func``) calls the differentiable solve on ``A^H``
-instead, so derivatives of any order work.
+Factor reuse (eager path), where it is faster (:func:`_keeps_factors`): when a backward pass will
+follow, the forward factors ``A = LU`` once and keeps the factors; a plain first-order backward then
+solves ``A^H v = g`` from them (``trans='T'``/``'C'``) instead of factoring again. That pays on the
+pure-torch kernel (CUDA), and with LAPACK only for one complex system: ``?gtsv`` factors and solves
+in a single sweep, so elsewhere ``?gttrf`` + two ``?gttrs`` cost as much as two ``?gtsv`` or more
+(chapters 7 and 9 measure it). A backward that is itself being differentiated
+(``create_graph=True``, ``torch.func``) calls the differentiable solve on ``A^H`` instead, so
+derivatives of any order work.
 """
 
 from __future__ import annotations
+
+import contextlib
 
 import torch
 from torch.autograd import forward_ad
@@ -64,6 +69,40 @@ def _factor_solve_kernel(lower, diag, upper, rhs):
 @_factor_solve_op.register_fake
 def _factor_solve_fake(lower, diag, upper, rhs):
     return rhs.new_empty(rhs.shape), diag.new_empty(diag.shape[:-1] + (5, diag.shape[-1]))
+
+
+_FACTOR_REUSE: bool | None = None  # None: decide by measurement (_keeps_factors); see _factor_reuse
+
+
+@contextlib.contextmanager
+def _factor_reuse(enabled: bool | None):
+    """Force factor reuse on (``True``) or off (``False``) within the block; ``None`` restores the
+    measured policy. For the tests and the benchmarks, which compare both strategies."""
+    global _FACTOR_REUSE
+    previous, _FACTOR_REUSE = _FACTOR_REUSE, enabled
+    try:
+        yield
+    finally:
+        _FACTOR_REUSE = previous
+
+
+def _keeps_factors(diag: torch.Tensor, rhs: torch.Tensor) -> bool:
+    """Whether a forward that a backward will follow should keep the LU factors for it.
+
+    Decided by measurement (forward + backward, reuse against solving twice; benchmark suite,
+    chapter 9). The pure-torch kernel factorises at about twice the cost of a solve with the
+    factors, so reuse is 1.4-1.5x faster there. LAPACK's ``?gtsv`` factors and solves in one sweep,
+    which ``?gttrf`` + ``?gttrs`` need three for: on real systems reuse came out between 5% faster
+    and 5% slower for one system, and 10-40% slower for batches and several right-hand sides (whose
+    factors also travel between the joined and the per-system layout). Only one complex system
+    with one right-hand side gained (3-15%). Keeping no factors also saves their ``(*B, 5, n)``
+    memory until the backward.
+    """
+    if _FACTOR_REUSE is not None:
+        return _FACTOR_REUSE
+    if not _use_lapack(rhs):
+        return True
+    return rhs.is_complex() and rhs.shape[:-2].numel() == 1 and rhs.shape[-1] == 1
 
 
 def _lu_solve_kernel(lu, rhs, trans):
@@ -215,7 +254,8 @@ def tridiagonal_solve(lower: torch.Tensor, diag: torch.Tensor, upper: torch.Tens
     elif _unobserved(args):
         x = _solve_kernel(*args)  # no autograd, transform or mode can see the call: skip dispatch
     else:
-        # Keep the LU factors only when a backward pass will want them.
-        keep_lu = torch.is_grad_enabled() and any(t.requires_grad for t in args)
+        # Keep the LU factors only when a backward pass will want them, and reuse pays.
+        keep_lu = (torch.is_grad_enabled() and any(t.requires_grad for t in args)
+                   and _keeps_factors(p.diag, p.rhs))
         x, _ = _TridiagonalSolve.apply(*args, keep_lu)
     return x.squeeze(-1) if p.vector_rhs else x
