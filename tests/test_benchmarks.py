@@ -2,13 +2,20 @@
 
 import json
 
+import pytest
+
 from tridiag_tutorial import benchmarks
 
 
-def test_quick_benchmark_runs_and_writes_json(tmp_path):
-    out = tmp_path / "results.json"
+@pytest.fixture(scope="module")
+def quick(tmp_path_factory):
+    out = tmp_path_factory.mktemp("bench") / "results.json"
     report = benchmarks.main(["--quick", "--no-compile", "--out", str(out)])
-    saved = json.loads(out.read_text())
+    return report, json.loads(out.read_text())
+
+
+def test_quick_benchmark_runs_and_writes_json(quick):
+    report, saved = quick
     assert saved["machine"]["torch"] == report["machine"]["torch"]
     impls = {r["impl"] for r in saved["results"]}
     assert {"dgtsv (raw LAPACK)", "tridiagonal_solve (final)", "ch4 autograd.Function",
@@ -17,3 +24,18 @@ def test_quick_benchmark_runs_and_writes_json(tmp_path):
     assert {r["mode"] for r in saved["results"]} == {"forward", "backward"}
     assert all(r["seconds"] > 0 for r in saved["results"])
     assert saved["targets"] and all(t["ratio"] is not None for t in saved["targets"])
+
+
+def test_quick_factor_reuse_experiment_reports_both_strategies_and_the_policy(quick):
+    rows = quick[1]["factor_reuse"]
+    assert {r["kernel"] for r in rows} == {"LAPACK", "pure-torch kernel"}
+    assert {r["dtype"] for r in rows} == {"float64", "complex128"}
+    for r in rows:
+        assert r["reuse_seconds"] > 0 and r["twice_seconds"] > 0
+        assert r["ratio"] == r["reuse_seconds"] / r["twice_seconds"]
+    policy = {(r["kernel"], r["dtype"], r["batch"], r["k"]): r["policy_reuses"] for r in rows}
+    # the op's measured policy: the torch kernel always reuses; LAPACK only for one complex system
+    assert policy == {("LAPACK", "float64", 0, 1): False, ("LAPACK", "float64", 16, 2): False,
+                      ("LAPACK", "complex128", 0, 1): True, ("LAPACK", "complex128", 16, 2): False,
+                      ("pure-torch kernel", "float64", 16, 1): True,
+                      ("pure-torch kernel", "complex128", 16, 1): True}

@@ -17,6 +17,11 @@ assembling the matrix), the pure-torch kernel (:mod:`tridiag_tutorial.torch_kern
 ``autograd.Function``, chapter 5's custom op and the final :func:`tridiag_tutorial.tridiagonal_solve`.
 Modes: ``forward`` and ``backward`` (forward plus the gradients of all four inputs), eager and
 ``torch.compile(fullgraph=True)``.
+
+The factor-reuse experiment (:func:`run_factor_reuse`, skipped with ``--no-reuse``) times forward +
+backward of the final op twice over, once keeping the LU factors for the backward and once solving
+again, on LAPACK and on the pure-torch kernel, for real and complex dtypes; it is the measurement
+behind the op's choice of when to keep factors.
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ import platform
 import statistics
 import sys
 import time
+from contextlib import nullcontext
 from dataclasses import asdict, dataclass, field
 
 import numpy as np
@@ -36,12 +42,14 @@ import scipy.linalg
 import torch
 from scipy.linalg import get_lapack_funcs
 
+from . import ops
+from ._validation import validate
 from .autograd_function import tridiagonal_solve_function
 from .custom_op import torch_kernel_on_cpu, tridiagonal_solve_custom_op
 from .ops import tridiagonal_solve
 from .reference import dense_solve
 
-__all__ = ["run", "evaluate_targets", "main"]
+__all__ = ["run", "run_factor_reuse", "evaluate_targets", "main"]
 
 SINGLE_SIZES = [10**2, 10**3, 10**4, 10**5, 10**6]
 BATCHES = [(1024, 256), (16384, 64), (100000, 8)]
@@ -83,14 +91,18 @@ def _time(fn, min_time: float, repeats: int) -> tuple[float, list]:
     return statistics.median(times), times
 
 
-def _problem(n: int, batch: int, dtype: torch.dtype, seed: int = 0):
+def _problem(n: int, batch: int, dtype: torch.dtype, seed: int = 0, k: int | None = None):
+    """A random, diagonally dominant system; ``k`` right-hand sides ``(.., n, k)`` if given."""
     g = torch.Generator().manual_seed(seed)
     shape = (batch,) if batch else ()
     lower = torch.randn(*shape, n - 1, generator=g, dtype=torch.float64)
     upper = torch.randn(*shape, n - 1, generator=g, dtype=torch.float64)
     diag = torch.randn(*shape, n, generator=g, dtype=torch.float64) + 4.0
-    rhs = torch.randn(*shape, n, generator=g, dtype=torch.float64)
-    return [t.to(dtype) for t in (lower, diag, upper, rhs)]
+    rhs = torch.randn(*shape, n, *((k,) if k else ()), generator=g, dtype=torch.float64)
+    args = [lower, diag, upper, rhs]
+    if dtype.is_complex:  # non-zero imaginary parts, drawn after the real ones
+        args = [t + 1j * torch.randn(t.shape, generator=g, dtype=torch.float64) for t in args]
+    return [t.to(dtype) for t in args]
 
 
 def _raw_gtsv(args):
@@ -216,6 +228,66 @@ def run(sizes=SINGLE_SIZES, batches=BATCHES, dtypes=(torch.float32, torch.float6
     return [asdict(r) for r in results]
 
 
+# The factor-reuse experiment: forward + backward with LU factors kept for the backward against
+# solving twice, on both kernels; the data behind ops._keeps_factors.
+REUSE_CASES = {  # kernel -> (n, batch, k) with k = None for a vector right-hand side
+    "LAPACK": [(1000, 0, None), (10**5, 0, None), (10**6, 0, None), (10**5, 0, 8),
+               (256, 1024, None), (64, 16384, None)],
+    "pure-torch kernel": [(1000, 0, None), (256, 1024, None)],
+}
+REUSE_DTYPES = (torch.float32, torch.float64, torch.complex64, torch.complex128)
+
+
+def _with_strategy(kernel: str, reuse: bool):
+    def solve(*args):
+        with ops._factor_reuse(reuse), \
+                (torch_kernel_on_cpu() if kernel == "pure-torch kernel" else nullcontext()):
+            return tridiagonal_solve(*args)
+    return solve
+
+
+def _policy(kernel: str, args) -> bool:
+    """What the final op decides for these inputs (with no override)."""
+    with torch_kernel_on_cpu() if kernel == "pure-torch kernel" else nullcontext():
+        p = validate(*args)
+        return ops._keeps_factors(p.diag, p.rhs)
+
+
+def run_factor_reuse(cases=REUSE_CASES, dtypes=REUSE_DTYPES, threads=(1, None), min_time=0.2,
+                     repeats=7, log=print):
+    """Time forward + backward (all four gradients) with each backward strategy, for each case.
+
+    Each strategy is timed twice, in the order reuse, twice, twice, reuse, and keeps the smaller
+    of its two medians, so a slow drift of the machine favours neither. Returns a list of dicts
+    with both times, ``ratio`` = reuse / twice, and ``policy_reuses``: what the final op chooses.
+    """
+    rows = []
+    default_threads = torch.get_num_threads()
+    for nthreads in threads:
+        torch.set_num_threads(nthreads or default_threads)
+        actual_threads = torch.get_num_threads()
+        for kernel, shapes in cases.items():
+            for dtype in dtypes:
+                for n, batch, k in shapes:
+                    args = _problem(n, batch, dtype, k=k)
+                    fns = {reuse: _torch_callable(_with_strategy(kernel, reuse), args, "backward")
+                           for reuse in (True, False)}
+                    best = {}
+                    for reuse in (True, False, False, True):
+                        seconds, _ = _time(fns[reuse], min_time, repeats)
+                        best[reuse] = min(best.get(reuse, seconds), seconds)
+                    row = dict(kernel=kernel, dtype=str(dtype).replace("torch.", ""),
+                               threads=actual_threads, n=n, batch=batch, k=k or 1,
+                               reuse_seconds=best[True], twice_seconds=best[False],
+                               ratio=best[True] / best[False], policy_reuses=_policy(kernel, args))
+                    rows.append(row)
+                    log(f"  reuse  {kernel:17s} {row['dtype']:10s} threads={actual_threads} "
+                        f"n={n:>7d} batch={batch:>6d} k={k or 1}: reuse {best[True] * 1e6:10.1f} us,"
+                        f" twice {best[False] * 1e6:10.1f} us, ratio {row['ratio']:.3f}")
+    torch.set_num_threads(default_threads)
+    return rows
+
+
 def _lookup(results, **key):
     for r in results:
         if all(r[k] == v for k, v in key.items()) and r["seconds"] is not None:
@@ -309,6 +381,18 @@ def format_table(results, targets) -> str:
     return "\n".join(lines)
 
 
+def format_reuse_table(rows) -> str:
+    lines = ["Factor reuse: forward + backward, LU factors kept / solving twice (< 1: reuse is faster)",
+             f"{'kernel':17s} {'dtype':10s} {'thr':>3s} {'n':>8s} {'batch':>6s} {'k':>2s} "
+             f"{'reuse':>12s} {'twice':>12s} {'ratio':>6s}  final op"]
+    for r in rows:
+        lines.append(f"{r['kernel']:17s} {r['dtype']:10s} {r['threads']:>3d} {r['n']:>8d} "
+                     f"{r['batch']:>6d} {r['k']:>2d} {r['reuse_seconds'] * 1e6:10.1f}us "
+                     f"{r['twice_seconds'] * 1e6:10.1f}us {r['ratio']:6.3f}  "
+                     f"{'reuses' if r['policy_reuses'] else 'solves twice'}")
+    return "\n".join(lines)
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="tiny sizes, one dtype: a smoke test")
@@ -319,29 +403,41 @@ def main(argv=None):
     parser.add_argument("--threads", default="1,default",
                         help="comma-separated thread counts; 'default' is torch's default")
     parser.add_argument("--merge", help="a previous results JSON whose results come first")
+    parser.add_argument("--no-reuse", action="store_true",
+                        help="skip the factor-reuse experiment (run_factor_reuse)")
     opts = parser.parse_args(argv)
     if opts.quick:
         config = dict(sizes=[8, 100], batches=[(16, 8)], dtypes=(torch.float64,), threads=(1,),
                       min_time=0.001, repeats=3)
+        reuse_config = dict(cases={"LAPACK": [(8, 0, None), (8, 16, 2)],
+                                   "pure-torch kernel": [(8, 16, None)]},
+                            dtypes=(torch.float64, torch.complex128), threads=(1,),
+                            min_time=0.001, repeats=3)
     else:
         threads = tuple(None if t == "default" else int(t) for t in opts.threads.split(","))
         config = dict(min_time=opts.min_time, repeats=opts.repeats, threads=threads)
-    earlier = []
+        reuse_config = dict(config)
+    earlier = {"results": [], "factor_reuse": []}
     if opts.merge:
         with open(opts.merge) as f:
-            earlier = json.load(f)["results"]
+            merged = json.load(f)
+        earlier = {key: merged.get(key, []) for key in earlier}
 
-    def write(results):
-        results = earlier + results
+    def write(results, reuse=()):
+        results = earlier["results"] + results
         report = {"machine": machine_info(), "config": {k: str(v) for k, v in config.items()},
-                  "results": results, "targets": evaluate_targets(results)}
+                  "results": results, "targets": evaluate_targets(results),
+                  "factor_reuse": earlier["factor_reuse"] + list(reuse)}
         with open(opts.out, "w") as f:
             json.dump(report, f, indent=1)
         return report
 
-    report = write(run(compile=not opts.no_compile, progress=write, **config))
-    results, targets = report["results"], report["targets"]
-    print(format_table(results, targets))
+    results = run(compile=not opts.no_compile, progress=write, **config)
+    reuse = [] if opts.no_reuse else run_factor_reuse(**reuse_config)
+    report = write(results, reuse)
+    print(format_table(report["results"], report["targets"]))
+    if report["factor_reuse"]:
+        print("\n" + format_reuse_table(report["factor_reuse"]))
     print(f"\nwrote {opts.out}")
     return report
 
