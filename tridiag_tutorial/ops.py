@@ -25,11 +25,11 @@ as one opaque node with a fake kernel and a registered backward. Both use the ru
 Factor reuse (eager path), where it is faster (:func:`_keeps_factors`): when a backward pass will
 follow, the forward factors ``A = LU`` once and keeps the factors; a plain first-order backward then
 solves ``A^H v = g`` from them (``trans='T'``/``'C'``) instead of factoring again. That pays on the
-pure-torch kernel (CUDA), and with LAPACK only for one complex system: ``?gtsv`` factors and solves
-in a single sweep, so elsewhere ``?gttrf`` + two ``?gttrs`` cost as much as two ``?gtsv`` or more
-(chapters 7 and 9 measure it). A backward that is itself being differentiated
-(``create_graph=True``, ``torch.func``) calls the differentiable solve on ``A^H`` instead, so
-derivatives of any order work.
+pure-torch kernel (CUDA), not with LAPACK: ``?gtsv`` factors and solves in a single sweep, so
+``?gttrf`` + two ``?gttrs`` cost about as much as two ``?gtsv`` or more (chapters 7 and 9 measure
+it), and a plain backward on CPU calls ``?gtsv`` with ``A^H`` directly. A backward that is itself
+being differentiated (``create_graph=True``, ``torch.func``) calls the differentiable solve on
+``A^H`` instead, so derivatives of any order work.
 """
 
 from __future__ import annotations
@@ -89,20 +89,19 @@ def _factor_reuse(enabled: bool | None):
 def _keeps_factors(diag: torch.Tensor, rhs: torch.Tensor) -> bool:
     """Whether a forward that a backward will follow should keep the LU factors for it.
 
-    Decided by measurement (forward + backward, reuse against solving twice; benchmark suite,
-    chapter 9). The pure-torch kernel factorises at about twice the cost of a solve with the
-    factors, so reuse is 1.4-1.5x faster there. LAPACK's ``?gtsv`` factors and solves in one sweep,
-    which ``?gttrf`` + ``?gttrs`` need three for: on real systems reuse came out between 5% faster
-    and 5% slower for one system, and 10-40% slower for batches and several right-hand sides (whose
-    factors also travel between the joined and the per-system layout). Only one complex system
-    with one right-hand side gained (3-15%). Keeping no factors also saves their ``(*B, 5, n)``
-    memory until the backward.
+    Decided by measurement (forward + backward, reuse against solving twice: the benchmark suite's
+    factor-reuse experiment, rendered in chapter 9). The pure-torch kernel factorises at about
+    twice the cost of a solve with the factors, so reuse is 1.4-1.5x faster there. LAPACK's
+    ``?gtsv`` factors and solves in one sweep, which ``?gttrf`` + ``?gttrs`` need three for: for
+    one large system reuse came out within about 10% either way, and for small systems, batches
+    (whose factors also travel between the joined and the per-system layout) and several
+    right-hand sides it was 10-40% slower. So with LAPACK the backward solves again, which also
+    saves keeping ``(*B, 5, n)`` factors in memory until the backward. ``diag`` and ``rhs`` are
+    the validated inputs; the decision depends only on the kernel that will run.
     """
     if _FACTOR_REUSE is not None:
         return _FACTOR_REUSE
-    if not _use_lapack(rhs):
-        return True
-    return rhs.is_complex() and rhs.shape[:-2].numel() == 1 and rhs.shape[-1] == 1
+    return not _use_lapack(rhs)
 
 
 def _lu_solve_kernel(lu, rhs, trans):
@@ -177,10 +176,12 @@ class _TridiagonalSolve(torch.autograd.Function):
         if grad_x is None:  # grads are not materialised: x was not used by the loss
             return None, None, None, None, None
         plain = not torch.is_grad_enabled() and forward_ad._current_level < 0  # no AD watching
-        if lu.numel() and plain and _direct(grad_x, x, lu):
-            # First-order backward, not itself differentiated: reuse the forward's factors.
-            v = _lu_solve_kernel(lu, grad_x, "C" if x.is_complex() else "T")
-            return (*rules.band_gradients(v, x), v, None)
+        if plain and _direct(grad_x, x, lu, lower, diag, upper):
+            # First-order backward, not itself differentiated: call the kernels directly.
+            if lu.numel():  # the forward kept its factors: solve with A^T / A^H from them
+                v = _lu_solve_kernel(lu, grad_x, "C" if x.is_complex() else "T")
+                return (*rules.band_gradients(v, x), v, None)
+            return (*rules.solve_backward(_solve_kernel, lower, diag, upper, x, grad_x), None)
         # Otherwise solve again through the differentiable op, so higher derivatives work.
         return (*rules.solve_backward(_differentiable_solve, lower, diag, upper, x, grad_x), None)
 
