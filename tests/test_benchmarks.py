@@ -3,8 +3,9 @@
 import json
 
 import pytest
+import torch
 
-from tridiag_tutorial import benchmarks
+from tridiag_tutorial import benchmarks, lapack, tridiagonal_solve
 
 
 @pytest.fixture(scope="module")
@@ -39,3 +40,20 @@ def test_quick_factor_reuse_experiment_reports_both_strategies_and_the_policy(qu
                       ("LAPACK", "complex128", 0, 1): False, ("LAPACK", "complex128", 16, 2): False,
                       ("pure-torch kernel", "float64", 16, 1): True,
                       ("pure-torch kernel", "complex128", 16, 1): True}
+
+
+def test_pure_torch_kernel_cases_run_no_lapack_forward_or_backward(monkeypatch):
+    """The kernel's context must cover the backward too, or its solve would go to LAPACK."""
+    def refuse(*args, **kwargs):
+        raise AssertionError("LAPACK was called in a pure-torch kernel case")
+
+    for name in ("solve", "factor_solve", "lu_solve"):
+        monkeypatch.setattr(lapack, name, refuse)
+    args = benchmarks._problem(8, 4, torch.float64)
+    kernel = "pure-torch kernel"
+    for mode in ("forward", "backward"):
+        benchmarks._torch_callable(benchmarks.TORCH_IMPLS[kernel], args, mode,
+                                   benchmarks.CONTEXTS[kernel])()
+    for reuse in (True, False):
+        benchmarks._torch_callable(tridiagonal_solve, args, "backward",
+                                   benchmarks._strategy(kernel, reuse))()

@@ -33,7 +33,7 @@ import platform
 import statistics
 import sys
 import time
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from dataclasses import asdict, dataclass, field
 
 import numpy as np
@@ -133,19 +133,17 @@ def _dense(lower, diag, upper, rhs):
     return dense_solve(lower, diag, upper, rhs)
 
 
-def _torch_kernel(lower, diag, upper, rhs):
-    with torch_kernel_on_cpu():
-        return tridiagonal_solve(lower, diag, upper, rhs)
-
-
 TORCH_IMPLS = {
     "torch.linalg.solve (dense)": _dense,
-    "pure-torch kernel": _torch_kernel,
+    "pure-torch kernel": tridiagonal_solve,  # within CONTEXTS["pure-torch kernel"]
     "ch4 autograd.Function": tridiagonal_solve_function,
     "ch5 custom_op": tridiagonal_solve_custom_op,
     "tridiagonal_solve (final)": tridiagonal_solve,
 }
 COMPILED = ["ch5 custom_op", "tridiagonal_solve (final)"]
+# The context an implementation runs in: forward *and* backward, since the backward runs the
+# kernel again (a context around the forward alone would leave the backward to LAPACK).
+CONTEXTS = {"pure-torch kernel": torch_kernel_on_cpu}
 
 
 def _wanted(impl: str, n: int, batch: int) -> bool:
@@ -156,9 +154,9 @@ def _wanted(impl: str, n: int, batch: int) -> bool:
     return True
 
 
-def _torch_callable(fn, args, mode):
-    if mode == "forward":
-        return lambda: fn(*args)
+def _torch_callable(fn, args, mode, context=None):
+    """A no-argument callable that runs ``fn`` forward, or forward + the gradients of all four
+    inputs (``mode="backward"``), entirely within ``context()`` if given."""
     leaves = [a.detach().requires_grad_() for a in args]
     cotangent = torch.ones_like(args[3])
 
@@ -166,7 +164,15 @@ def _torch_callable(fn, args, mode):
         x = fn(*leaves)
         return torch.autograd.grad(x, leaves, cotangent)
 
-    return forward_backward
+    run = (lambda: fn(*args)) if mode == "forward" else forward_backward
+    if context is None:
+        return run
+
+    def in_context():
+        with context():
+            return run()
+
+    return in_context
 
 
 def run(sizes=SINGLE_SIZES, batches=BATCHES, dtypes=(torch.float32, torch.float64),
@@ -214,7 +220,8 @@ def run(sizes=SINGLE_SIZES, batches=BATCHES, dtypes=(torch.float32, torch.float6
                     if not _wanted(impl, n, batch):
                         continue
                     for mode in ("forward", "backward"):
-                        record(impl, mode, False, _torch_callable(fn, args, mode))
+                        record(impl, mode, False,
+                               _torch_callable(fn, args, mode, CONTEXTS.get(impl)))
                         if compile and impl in COMPILED:
                             key = (impl, mode, dtype, batch > 0)
                             if key not in compiled_fns:
@@ -233,22 +240,23 @@ def run(sizes=SINGLE_SIZES, batches=BATCHES, dtypes=(torch.float32, torch.float6
 REUSE_CASES = {  # kernel -> (n, batch, k) with k = None for a vector right-hand side
     "LAPACK": [(1000, 0, None), (10**5, 0, None), (10**6, 0, None), (10**5, 0, 8),
                (256, 1024, None), (64, 16384, None)],
-    "pure-torch kernel": [(1000, 0, None), (256, 1024, None)],
+    "pure-torch kernel": [(1000, 0, None), (256, 1024, None), (64, 16384, None)],
 }
 REUSE_DTYPES = (torch.float32, torch.float64, torch.complex64, torch.complex128)
 
 
-def _with_strategy(kernel: str, reuse: bool):
-    def solve(*args):
-        with ops._factor_reuse(reuse), \
-                (torch_kernel_on_cpu() if kernel == "pure-torch kernel" else nullcontext()):
-            return tridiagonal_solve(*args)
-    return solve
+def _strategy(kernel: str, reuse: bool):
+    """The context for one strategy on one kernel (for forward and backward alike)."""
+    @contextmanager
+    def context():
+        with ops._factor_reuse(reuse), CONTEXTS.get(kernel, nullcontext)():
+            yield
+    return context
 
 
 def _policy(kernel: str, args) -> bool:
     """What the final op decides for these inputs (with no override)."""
-    with torch_kernel_on_cpu() if kernel == "pure-torch kernel" else nullcontext():
+    with CONTEXTS.get(kernel, nullcontext)():
         p = validate(*args)
         return ops._keeps_factors(p.diag, p.rhs)
 
@@ -270,7 +278,8 @@ def run_factor_reuse(cases=REUSE_CASES, dtypes=REUSE_DTYPES, threads=(1, None), 
             for dtype in dtypes:
                 for n, batch, k in shapes:
                     args = _problem(n, batch, dtype, k=k)
-                    fns = {reuse: _torch_callable(_with_strategy(kernel, reuse), args, "backward")
+                    fns = {reuse: _torch_callable(tridiagonal_solve, args, "backward",
+                                                  _strategy(kernel, reuse))
                            for reuse in (True, False)}
                     best = {}
                     for reuse in (True, False, False, True):

@@ -230,9 +230,11 @@ def tridiagonal_solve(lower: torch.Tensor, diag: torch.Tensor, upper: torch.Tens
         torch.linalg.LinAlgError: ``A`` is singular (an exactly zero pivot in LU with partial
             pivoting); the message names the pivot and the batch element.
 
-    On CPU it calls LAPACK ``?gtsv`` (Gaussian elimination with partial pivoting). Gradients flow
-    to all four inputs, to any order; ``torch.compile(fullgraph=True)`` traces it with no graph
-    break. Inputs are never modified.
+    On CPU it calls LAPACK ``?gtsv`` (Gaussian elimination with partial pivoting), and a backward
+    calls it again with ``A^H``; on other devices the pure-torch kernel (the same pivoting) runs,
+    and its forward keeps the LU factors for the backward. Gradients flow to all four inputs, to
+    any order; ``torch.compile(fullgraph=True)`` traces it with no graph break. Inputs are never
+    modified.
 
     Example:
         >>> import torch
