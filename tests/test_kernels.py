@@ -5,7 +5,7 @@ import pytest
 import torch
 from torch.autograd import gradcheck, gradgradcheck
 
-from tridiag_tutorial import dense_solve, lapack, torch_kernel, tridiagonal_solve
+from tridiag_tutorial import dense_solve, lapack, ops, torch_kernel, tridiagonal_solve
 from tridiag_tutorial.custom_op import torch_kernel_on_cpu
 from tridiag_tutorial.ops import _factor_reuse
 
@@ -137,16 +137,22 @@ LAPACK_ENTRY_POINTS = ("solve", "factor_solve", "lu_solve")
 
 
 @pytest.mark.parametrize(
-    "dtype, batch, k",
-    [(torch.float64, (), None), (torch.float64, (3,), 2), (torch.complex128, (), None),
-     (torch.complex128, (3,), 2)],
-    ids=["real", "real-batch", "complex", "complex-batch"])
-def test_lapack_backward_solves_again(monkeypatch, dtype, batch, k):
-    """With LAPACK, reuse measured no faster than ?gtsv twice (slower for batches): no factors."""
+    "dtype, n, batch, k, reuses",
+    [(torch.float64, 6, (), None, False),  # real: ?gtsv twice measured as fast, and holds no memory
+     (torch.float64, 6, (3,), 2, False),  # batches and several columns: reuse measured slower
+     (torch.complex128, 5, (), None, False),  # one complex system, below the threshold
+     (torch.complex128, 6, (), None, True),  # one complex system from the threshold on: reuse
+     (torch.complex128, 6, (), 2, False),
+     (torch.complex128, 6, (3,), None, False)],
+    ids=["real", "real-batch", "complex-small", "complex-large", "complex-k", "complex-batch"])
+def test_lapack_backward_reuses_factors_only_where_measured_faster(monkeypatch, dtype, n, batch,
+                                                                   k, reuses):
+    monkeypatch.setattr(ops, "_LAPACK_REUSE_MIN_N", 6)  # the rule at small sizes
     calls = count_calls(monkeypatch, lapack, LAPACK_ENTRY_POINTS)
-    args = make_system(6, batch, k, dtype=dtype, requires_grad=True, seed=33)
+    args = make_system(n, batch, k, dtype=dtype, requires_grad=True, seed=33)
     grads = torch.autograd.grad(tridiagonal_solve(*args).abs().pow(2).sum(), args)
-    assert calls == ["solve", "solve"]
+    trans = "C" if dtype.is_complex else "T"
+    assert calls == (["factor_solve", f"lu_solve({trans})"] if reuses else ["solve", "solve"])
     expected = torch.autograd.grad(dense_solve(*args).abs().pow(2).sum(), args)
     for g, e in zip(grads, expected):
         assert_close(g, e, dtype)
@@ -154,6 +160,16 @@ def test_lapack_backward_solves_again(monkeypatch, dtype, batch, k):
     with torch.no_grad():
         tridiagonal_solve(*args)
     assert calls == ["solve"]  # no factors kept when no backward can follow
+
+
+@pytest.mark.parametrize("n, reuses", [(10**5 - 1, False), (10**5, True)])
+def test_lapack_reuse_threshold_for_one_complex_system(monkeypatch, n, reuses):
+    """The measured crossover: reuse was faster from n = 1e5 on (benchmarks, chapter 9)."""
+    calls = count_calls(monkeypatch, lapack, LAPACK_ENTRY_POINTS)
+    lower, diag, upper, rhs = make_system(n, dtype=torch.complex128, seed=39)
+    rhs.requires_grad_()
+    tridiagonal_solve(lower, diag, upper, rhs).abs().sum().backward()
+    assert calls == (["factor_solve", "lu_solve(C)"] if reuses else ["solve", "solve"])
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.complex128], ids=str)

@@ -238,8 +238,8 @@ def run(sizes=SINGLE_SIZES, batches=BATCHES, dtypes=(torch.float32, torch.float6
 # The factor-reuse experiment: forward + backward with LU factors kept for the backward against
 # solving twice, on both kernels; the data behind ops._keeps_factors.
 REUSE_CASES = {  # kernel -> (n, batch, k) with k = None for a vector right-hand side
-    "LAPACK": [(1000, 0, None), (10**5, 0, None), (10**6, 0, None), (10**5, 0, 8),
-               (256, 1024, None), (64, 16384, None)],
+    "LAPACK": [(1000, 0, None), (10**4, 0, None), (10**5, 0, None), (10**6, 0, None),
+               (10**5, 0, 8), (256, 1024, None), (64, 16384, None)],
     "pure-torch kernel": [(1000, 0, None), (256, 1024, None), (64, 16384, None)],
 }
 REUSE_DTYPES = (torch.float32, torch.float64, torch.complex64, torch.complex128)
@@ -414,6 +414,9 @@ def main(argv=None):
     parser.add_argument("--merge", help="a previous results JSON whose results come first")
     parser.add_argument("--no-reuse", action="store_true",
                         help="skip the factor-reuse experiment (run_factor_reuse)")
+    parser.add_argument("--reuse-only", action="store_true",
+                        help="run only the factor-reuse experiment; with --merge, keep the merged "
+                             "file's other results and replace its factor-reuse rows")
     opts = parser.parse_args(argv)
     if opts.quick:
         config = dict(sizes=[8, 100], batches=[(16, 8)], dtypes=(torch.float64,), threads=(1,),
@@ -431,6 +434,8 @@ def main(argv=None):
         with open(opts.merge) as f:
             merged = json.load(f)
         earlier = {key: merged.get(key, []) for key in earlier}
+        if opts.reuse_only:
+            earlier["factor_reuse"] = []
 
     def write(results, reuse=()):
         results = earlier["results"] + results
@@ -441,7 +446,7 @@ def main(argv=None):
             json.dump(report, f, indent=1)
         return report
 
-    results = run(compile=not opts.no_compile, progress=write, **config)
+    results = [] if opts.reuse_only else run(compile=not opts.no_compile, progress=write, **config)
     reuse = [] if opts.no_reuse else run_factor_reuse(**reuse_config)
     report = write(results, reuse)
     print(format_table(report["results"], report["targets"]))

@@ -25,11 +25,11 @@ as one opaque node with a fake kernel and a registered backward. Both use the ru
 Factor reuse (eager path), where it is faster (:func:`_keeps_factors`): when a backward pass will
 follow, the forward factors ``A = LU`` once and keeps the factors; a plain first-order backward then
 solves ``A^H v = g`` from them (``trans='T'``/``'C'``) instead of factoring again. That pays on the
-pure-torch kernel (CUDA), not with LAPACK: ``?gtsv`` factors and solves in a single sweep, so
-``?gttrf`` + two ``?gttrs`` cost about as much as two ``?gtsv`` or more (chapters 7 and 9 measure
-it), and a plain backward on CPU calls ``?gtsv`` with ``A^H`` directly. A backward that is itself
-being differentiated (``create_graph=True``, ``torch.func``) calls the differentiable solve on
-``A^H`` instead, so derivatives of any order work.
+pure-torch kernel (CUDA). With LAPACK it pays only for one large complex system: ``?gtsv`` factors
+and solves in a single sweep, so ``?gttrf`` + two ``?gttrs`` cost about as much as two ``?gtsv``
+or more (chapters 7 and 9 measure it); otherwise a plain backward calls ``?gtsv`` with ``A^H``
+directly. A backward that is itself being differentiated (``create_graph=True``, ``torch.func``)
+calls the differentiable solve on ``A^H`` instead, so derivatives of any order work.
 """
 
 from __future__ import annotations
@@ -86,22 +86,29 @@ def _factor_reuse(enabled: bool | None):
         _FACTOR_REUSE = previous
 
 
+_LAPACK_REUSE_MIN_N = 10**5  # see _keeps_factors
+
+
 def _keeps_factors(diag: torch.Tensor, rhs: torch.Tensor) -> bool:
     """Whether a forward that a backward will follow should keep the LU factors for it.
 
-    Decided by measurement (forward + backward, reuse against solving twice: the benchmark suite's
-    factor-reuse experiment, rendered in chapter 9). The pure-torch kernel factorises at about
-    twice the cost of a solve with the factors, so reuse is 1.4-1.5x faster there. LAPACK's
-    ``?gtsv`` factors and solves in one sweep, which ``?gttrf`` + ``?gttrs`` need three for: for
-    one large system reuse came out within about 10% either way, and for small systems, batches
-    (whose factors also travel between the joined and the per-system layout) and several
-    right-hand sides it was 10-40% slower. So with LAPACK the backward solves again, which also
-    saves keeping ``(*B, 5, n)`` factors in memory until the backward. ``diag`` and ``rhs`` are
-    the validated inputs; the decision depends only on the kernel that will run.
+    Decided by measurement: forward + backward with reuse against solving twice, in the benchmark
+    suite's factor-reuse experiment (chapter 9 renders it). The pure-torch kernel factorises at
+    about twice the cost of a solve with the factors, and reuse was 1.4-1.6x faster in every case.
+    LAPACK's ``?gtsv`` factors and solves in one sweep, which ``?gttrf`` + ``?gttrs`` need three
+    for. With LAPACK, reuse was 10-40% slower for small systems, batches (whose factors also travel
+    between the joined and the per-system layout) and several right-hand sides, and within a few
+    per cent either way for one large real system. It was faster (by 1-9%) only for one complex
+    system of ``n >= 10**5`` with one right-hand side, so that is the one LAPACK case that keeps
+    factors; elsewhere the backward solves again and no ``(*B, 5, n)`` factors are held in memory.
+    ``diag`` and ``rhs`` are the validated inputs, ``rhs`` ``(*B, n, k)``.
     """
     if _FACTOR_REUSE is not None:
         return _FACTOR_REUSE
-    return not _use_lapack(rhs)
+    if not _use_lapack(rhs):
+        return True
+    one_system = rhs.shape[:-2].numel() == 1 and rhs.shape[-1] == 1
+    return rhs.is_complex() and one_system and rhs.shape[-2] >= _LAPACK_REUSE_MIN_N
 
 
 def _lu_solve_kernel(lu, rhs, trans):
@@ -231,8 +238,9 @@ def tridiagonal_solve(lower: torch.Tensor, diag: torch.Tensor, upper: torch.Tens
             pivoting); the message names the pivot and the batch element.
 
     On CPU it calls LAPACK ``?gtsv`` (Gaussian elimination with partial pivoting), and a backward
-    calls it again with ``A^H``; on other devices the pure-torch kernel (the same pivoting) runs,
-    and its forward keeps the LU factors for the backward. Gradients flow to all four inputs, to
+    calls it again with ``A^H`` (except for one complex system of ``n >= 10**5``, whose factors
+    are kept); on other devices the pure-torch kernel (the same pivoting) runs, and its forward
+    keeps the LU factors for the backward. Gradients flow to all four inputs, to
     any order; ``torch.compile(fullgraph=True)`` traces it with no graph break. Inputs are never
     modified.
 
