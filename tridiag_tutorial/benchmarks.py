@@ -258,7 +258,7 @@ def _policy(kernel: str, args) -> bool:
     """What the final op decides for these inputs (with no override)."""
     with CONTEXTS.get(kernel, nullcontext)():
         p = validate(*args)
-        return ops._keeps_factors(p.diag, p.rhs)
+        return ops._keeps_factors(p.rhs)
 
 
 def run_factor_reuse(cases=REUSE_CASES, dtypes=REUSE_DTYPES, threads=(1, None), min_time=0.2,

@@ -89,19 +89,21 @@ def _factor_reuse(enabled: bool | None):
 _LAPACK_REUSE_MIN_N = 10**5  # see _keeps_factors
 
 
-def _keeps_factors(diag: torch.Tensor, rhs: torch.Tensor) -> bool:
+def _keeps_factors(rhs: torch.Tensor) -> bool:
     """Whether a forward that a backward will follow should keep the LU factors for it.
 
     Decided by measurement: forward + backward with reuse against solving twice, in the benchmark
     suite's factor-reuse experiment (chapter 9 renders it). The pure-torch kernel factorises at
-    about twice the cost of a solve with the factors, and reuse was 1.4-1.6x faster in every case.
-    LAPACK's ``?gtsv`` factors and solves in one sweep, which ``?gttrf`` + ``?gttrs`` need three
-    for. With LAPACK, reuse was 10-40% slower for small systems, batches (whose factors also travel
-    between the joined and the per-system layout) and several right-hand sides, and within a few
-    per cent either way for one large real system. It was faster (by 1-9%) only for one complex
-    system of ``n >= 10**5`` with one right-hand side, so that is the one LAPACK case that keeps
-    factors; elsewhere the backward solves again and no ``(*B, 5, n)`` factors are held in memory.
-    ``diag`` and ``rhs`` are the validated inputs, ``rhs`` ``(*B, n, k)``.
+    about twice the cost of a solve with the factors, and reuse took 0.57-0.72 of the time of
+    solving twice in every case measured. LAPACK's ``?gtsv`` factors and solves in one sweep,
+    which ``?gttrf`` + ``?gttrs`` need three for. With LAPACK, reuse was slower for systems of
+    n < 1e5 (by up to 25%), for several right-hand sides (14-27%) and in 14 of 16 batch
+    measurements (up to 42%; the factors also travel between the joined and the per-system
+    layout), and within 5% either way for one large real system. It was faster, by 2-10%, in
+    every measurement of one complex system of ``n >= 10**5`` with one right-hand side, so that
+    is the one LAPACK case that keeps factors; elsewhere the backward solves again and no
+    ``(*B, 5, n)`` factors are held in memory until it runs. ``rhs`` is the validated
+    ``(*B, n, k)`` right-hand side.
     """
     if _FACTOR_REUSE is not None:
         return _FACTOR_REUSE
@@ -267,6 +269,6 @@ def tridiagonal_solve(lower: torch.Tensor, diag: torch.Tensor, upper: torch.Tens
     else:
         # Keep the LU factors only when a backward pass will want them, and reuse pays.
         keep_lu = (torch.is_grad_enabled() and any(t.requires_grad for t in args)
-                   and _keeps_factors(p.diag, p.rhs))
+                   and _keeps_factors(p.rhs))
         x, _ = _TridiagonalSolve.apply(*args, keep_lu)
     return x.squeeze(-1) if p.vector_rhs else x
