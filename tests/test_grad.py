@@ -1,12 +1,16 @@
 """Gradients: gradcheck/gradgradcheck in float64, the dense reference, and opcheck."""
 
+import contextlib
+
 import pytest
 import torch
 from torch.autograd import gradcheck, gradgradcheck
 
 from tridiag_tutorial import dense_solve, tridiagonal_solve
 from tridiag_tutorial.autograd_function import tridiagonal_solve_function
-from tridiag_tutorial.custom_op import tridiagonal_solve_custom_op, tridiagonal_solve_op
+from tridiag_tutorial.custom_op import torch_kernel_on_cpu, tridiagonal_solve_custom_op
+from tridiag_tutorial.custom_op import tridiagonal_solve_op
+from tridiag_tutorial.ops import _factor_solve_op
 
 from conftest import assert_close, make_system
 
@@ -96,4 +100,17 @@ def test_opcheck_strided_rhs():
     lower, diag, upper, _ = make_system(5, (2,), seed=10)
     rhs = torch.randn(2, 3, 5, dtype=torch.float64).mT
     result = torch.library.opcheck(tridiagonal_solve_op, (lower, diag, upper, rhs))
+    assert set(result.values()) == {"SUCCESS"}, result
+
+
+@pytest.mark.parametrize("kernel", ["lapack", "torch"])
+@pytest.mark.parametrize("strided", [False, True], ids=["contiguous", "transposed-rhs"])
+def test_opcheck_factor_solve_op(kernel, strided):
+    """The op that keeps LU factors: schema, fake kernel (shapes and strides of x and lu), AOT."""
+    lower, diag, upper, rhs = make_system(5, (2,), 3, seed=11)
+    if strided:
+        rhs = rhs.mT.contiguous().mT
+    context = torch_kernel_on_cpu() if kernel == "torch" else contextlib.nullcontext()
+    with context:
+        result = torch.library.opcheck(_factor_solve_op, (lower, diag, upper, rhs))
     assert set(result.values()) == {"SUCCESS"}, result
