@@ -1,7 +1,12 @@
-"""Shared test helpers: one tolerance table keyed by dtype, and seeded random systems."""
+"""Shared test helpers: one tolerance table keyed by dtype, seeded random systems, kernels."""
+
+import contextlib
 
 import pytest
 import torch
+
+from tridiag_tutorial import dense_solve
+from tridiag_tutorial.custom_op import torch_kernel_on_cpu
 
 # Tolerances for comparing a tridiagonal solve with the dense reference, keyed by dtype.
 # Single precision is looser: both solvers round, and condition numbers here reach ~1e2.
@@ -18,6 +23,19 @@ ALL_DTYPES = REAL_DTYPES + [torch.complex64, torch.complex128]
 def assert_close(actual, expected, dtype=None):
     dtype = dtype or expected.dtype
     torch.testing.assert_close(actual, expected, **TOL[dtype])
+
+
+def kernel_context(kernel):
+    """``"torch"``: the pure-torch kernel on CPU (the CUDA code path); ``"lapack"``: the default."""
+    return torch_kernel_on_cpu() if kernel == "torch" else contextlib.nullcontext()
+
+
+def assert_grads_match_dense(grads, args, loss, dtype=None):
+    """``grads`` of ``loss(x)`` w.r.t. ``args`` equal the dense reference's, with TOL[dtype]."""
+    expected = torch.autograd.grad(loss(dense_solve(*args)), args)
+    for g, e in zip(grads, expected):
+        assert g.shape == e.shape
+        assert_close(g, e, dtype)
 
 
 def make_system(n, batch=(), k=None, dtype=torch.float64, seed=0, dominant=False,

@@ -1,18 +1,15 @@
 """Gradients: gradcheck/gradgradcheck in float64, the dense reference, and opcheck."""
 
-import contextlib
-
 import pytest
 import torch
 from torch.autograd import gradcheck, gradgradcheck
 
 from tridiag_tutorial import dense_solve, tridiagonal_solve
 from tridiag_tutorial.autograd_function import tridiagonal_solve_function
-from tridiag_tutorial.custom_op import torch_kernel_on_cpu, tridiagonal_solve_custom_op
-from tridiag_tutorial.custom_op import tridiagonal_solve_op
+from tridiag_tutorial.custom_op import tridiagonal_solve_custom_op, tridiagonal_solve_op
 from tridiag_tutorial.ops import _factor_solve_op
 
-from conftest import assert_close, make_system
+from conftest import assert_close, kernel_context, make_system
 
 SHAPES = {  # (n, batch, k): vector and matrix rhs, batches, the small-n special cases
     "n1-vector": (1, (), None),
@@ -110,7 +107,6 @@ def test_opcheck_factor_solve_op(kernel, strided):
     lower, diag, upper, rhs = make_system(5, (2,), 3, seed=11)
     if strided:
         rhs = rhs.mT.contiguous().mT
-    context = torch_kernel_on_cpu() if kernel == "torch" else contextlib.nullcontext()
-    with context:
+    with kernel_context(kernel):
         result = torch.library.opcheck(_factor_solve_op, (lower, diag, upper, rhs))
     assert set(result.values()) == {"SUCCESS"}, result

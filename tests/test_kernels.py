@@ -9,7 +9,8 @@ from tridiag_tutorial import dense_solve, lapack, ops, torch_kernel, tridiagonal
 from tridiag_tutorial.custom_op import torch_kernel_on_cpu
 from tridiag_tutorial.ops import _factor_reuse
 
-from conftest import ALL_DTYPES, assert_close, make_system
+from conftest import (ALL_DTYPES, assert_close, assert_grads_match_dense, kernel_context,
+                      make_system)
 
 CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
 
@@ -82,13 +83,6 @@ def test_torch_kernel_needs_no_diagonal_dominance():
     torch.testing.assert_close(x, torch.tensor([1.0, 2.0, 3.0], dtype=torch.float64))
 
 
-def on_kernel(kernel, fn, *args):
-    if kernel == "torch":
-        with torch_kernel_on_cpu():
-            return fn(*args)
-    return fn(*args)
-
-
 @pytest.mark.parametrize("kernel", ["lapack", "torch"])
 @pytest.mark.parametrize("path", ["forward", "solve-path", "factor-path"])
 def test_singular_error_is_the_same_on_every_kernel(kernel, path):
@@ -98,8 +92,8 @@ def test_singular_error_is_the_same_on_every_kernel(kernel, path):
         diag.requires_grad_()
     expected = r"singular: pivot U\[2, 2\] is exactly zero, in batch element \(1, 0\)$"
     with pytest.raises(torch.linalg.LinAlgError, match=expected):
-        with _factor_reuse(path == "factor-path"):
-            on_kernel(kernel, tridiagonal_solve, lower, diag, upper, rhs)
+        with _factor_reuse(path == "factor-path"), kernel_context(kernel):
+            tridiagonal_solve(lower, diag, upper, rhs)
 
 
 @pytest.mark.parametrize("kernel", ["lapack", "torch"])
@@ -107,15 +101,16 @@ def test_singular_error_is_the_same_on_every_kernel(kernel, path):
 def test_non_finite_input_stays_in_its_own_system(kernel, bad):
     args = make_system(5, (4,), 2, seed=32)
     args[3][1, 2, 0] = bad
-    if kernel == "torch":
-        with torch_kernel_on_cpu():
-            x = tridiagonal_solve(*args)
-    else:
+    with kernel_context(kernel):
         x = tridiagonal_solve(*args)
     assert not torch.isfinite(x[1]).all()
     others = [0, 2, 3]
     assert torch.isfinite(x[others]).all()
     assert_close(x[others], dense_solve(*(a[others] for a in args)))
+
+
+def squared_norm(x):
+    return x.abs().pow(2).sum()
 
 
 def count_calls(monkeypatch, module, names):
@@ -150,12 +145,10 @@ def test_lapack_backward_reuses_factors_only_where_measured_faster(monkeypatch, 
     monkeypatch.setattr(ops, "_LAPACK_REUSE_MIN_N", 6)  # the rule at small sizes
     calls = count_calls(monkeypatch, lapack, LAPACK_ENTRY_POINTS)
     args = make_system(n, batch, k, dtype=dtype, requires_grad=True, seed=33)
-    grads = torch.autograd.grad(tridiagonal_solve(*args).abs().pow(2).sum(), args)
+    grads = torch.autograd.grad(squared_norm(tridiagonal_solve(*args)), args)
     trans = "C" if dtype.is_complex else "T"
     assert calls == (["factor_solve", f"lu_solve({trans})"] if reuses else ["solve", "solve"])
-    expected = torch.autograd.grad(dense_solve(*args).abs().pow(2).sum(), args)
-    for g, e in zip(grads, expected):
-        assert_close(g, e, dtype)
+    assert_grads_match_dense(grads, args, squared_norm, dtype)
     calls.clear()
     with torch.no_grad():
         tridiagonal_solve(*args)
@@ -178,11 +171,9 @@ def test_torch_kernel_backward_reuses_the_forward_factors(monkeypatch, dtype):
     calls = count_calls(monkeypatch, torch_kernel, ("factor", "lu_solve"))
     args = make_system(6, (2,), 2, dtype=dtype, requires_grad=True, seed=34)
     with torch_kernel_on_cpu():
-        grads = torch.autograd.grad(tridiagonal_solve(*args).abs().pow(2).sum(), args)
+        grads = torch.autograd.grad(squared_norm(tridiagonal_solve(*args)), args)
     assert calls == ["factor", "lu_solve(N)", f"lu_solve({'C' if dtype.is_complex else 'T'})"]
-    expected = torch.autograd.grad(dense_solve(*args).abs().pow(2).sum(), args)
-    for g, e in zip(grads, expected):
-        assert_close(g, e, dtype)
+    assert_grads_match_dense(grads, args, squared_norm, dtype)
 
 
 @pytest.mark.parametrize("kernel", ["lapack", "torch"])
@@ -191,12 +182,9 @@ def test_torch_kernel_backward_reuses_the_forward_factors(monkeypatch, dtype):
 def test_both_backward_strategies_match_dense(kernel, reuse, dtype):
     """Whichever strategy the policy picks, on either kernel, gives the dense gradients."""
     args = make_system(7, (2, 3), 2, dtype=dtype, requires_grad=True, seed=35)
-    loss = lambda *a: tridiagonal_solve(*a).abs().pow(2).sum()
-    with _factor_reuse(reuse):
-        grads = on_kernel(kernel, lambda: torch.autograd.grad(loss(*args), args))
-    expected = torch.autograd.grad(dense_solve(*args).abs().pow(2).sum(), args)
-    for g, e in zip(grads, expected):
-        assert_close(g, e, dtype)
+    with _factor_reuse(reuse), kernel_context(kernel):
+        grads = torch.autograd.grad(squared_norm(tridiagonal_solve(*args)), args)
+    assert_grads_match_dense(grads, args, squared_norm, dtype)
 
 
 @pytest.mark.parametrize("kernel", ["lapack", "torch"])
@@ -206,12 +194,9 @@ def test_direct_backward_with_broadcast_bands_and_an_expanded_gradient(kernel, r
     lower, diag, upper, _ = make_system(6, (1,), seed=37)  # one matrix for the batch of 4
     rhs = torch.randn(4, 6, dtype=torch.float64, generator=torch.Generator().manual_seed(38))
     args = [t.requires_grad_() for t in (lower, diag, upper, rhs)]
-    with _factor_reuse(reuse):
-        grads = on_kernel(kernel, lambda: torch.autograd.grad(tridiagonal_solve(*args).sum(), args))
-    expected = torch.autograd.grad(dense_solve(*args).sum(), args)
-    for g, e in zip(grads, expected):
-        assert g.shape == e.shape
-        assert_close(g, e)
+    with _factor_reuse(reuse), kernel_context(kernel):
+        grads = torch.autograd.grad(tridiagonal_solve(*args).sum(), args)
+    assert_grads_match_dense(grads, args, torch.sum)
 
 
 @pytest.mark.parametrize("reuse", [False, True], ids=["solve-twice", "reuse"])
