@@ -24,7 +24,7 @@ __all__ = ["LapackTridiagonalSolve", "tridiagonal_solve_function"]
 
 def _lapack_solve(lower, diag, upper, rhs) -> torch.Tensor:
     """Tensors in, tensor out, through NumPy: opaque to autograd, and Dynamo breaks the graph here."""
-    arrays = (t.detach().resolve_conj().numpy() for t in (lower, diag, upper, rhs))
+    arrays = (t.detach().resolve_conj().resolve_neg().numpy() for t in (lower, diag, upper, rhs))
     return torch.from_numpy(lapack.solve(*arrays))
 
 

@@ -21,6 +21,7 @@ that.
 from __future__ import annotations
 
 import contextlib
+import contextvars
 
 import torch
 
@@ -33,31 +34,47 @@ __all__ = ["tridiagonal_solve_op", "tridiagonal_solve_custom_op", "torch_kernel_
 # --------------------------------------------------------------------------------------------
 # The kernel (no autograd, no checks): four tensors of one batch shape, rhs of shape (*B, n, k).
 # --------------------------------------------------------------------------------------------
-_torch_kernel_on_cpu = False
+# Which kernel a CPU tensor goes to is context-local state (a ContextVar: each thread, and each
+# asyncio task, has its own), never a module global: a block in one thread cannot change the kernel
+# that another thread's solve runs. The ops that the final function calls save the choice made in
+# the forward and restore it around their backward (see tridiag_tutorial.ops).
+_TORCH_KERNEL_ON_CPU = contextvars.ContextVar("tridiag_tutorial_torch_kernel_on_cpu", default=False)
 
 
 @contextlib.contextmanager
+def _kernel_choice(torch_kernel: bool):
+    """Within the block, CPU tensors go to the pure-torch kernel if ``torch_kernel``, else LAPACK."""
+    token = _TORCH_KERNEL_ON_CPU.set(torch_kernel)
+    try:
+        yield
+    finally:
+        _TORCH_KERNEL_ON_CPU.reset(token)
+
+
 def torch_kernel_on_cpu():
     """Within this block, CPU tensors go to the pure-torch kernel instead of LAPACK.
 
     The pure-torch kernel is the one other devices (CUDA) use; this lets the tests and the book
-    run that exact code path, through the custom ops, on a machine without a GPU.
+    run that exact code path, through the custom ops, on a machine without a GPU. The choice is
+    local to the calling thread (and asyncio task); a solve made inside the block runs its backward
+    on the same kernel even when the backward runs after the block has ended.
     """
-    global _torch_kernel_on_cpu
-    previous, _torch_kernel_on_cpu = _torch_kernel_on_cpu, True
-    try:
-        yield
-    finally:
-        _torch_kernel_on_cpu = previous
+    return _kernel_choice(True)
+
+
+def _torch_kernel_on_cpu() -> bool:
+    """True inside :func:`torch_kernel_on_cpu` (in this thread or task)."""
+    return _TORCH_KERNEL_ON_CPU.get()
 
 
 def _use_lapack(t: torch.Tensor) -> bool:
-    return t.device.type == "cpu" and not _torch_kernel_on_cpu
+    return t.device.type == "cpu" and not _TORCH_KERNEL_ON_CPU.get()
 
 
 def _numpy(*tensors):
-    """NumPy views of the tensors' data (a copy only for a lazily conjugated tensor)."""
-    return [(t.resolve_conj() if t.is_conj() else t).detach().numpy() for t in tensors]
+    """NumPy views of the tensors' data (a copy only for a lazily conjugated or negated tensor:
+    ``.numpy()`` refuses tensors whose conjugate or negative bit is set)."""
+    return [t.detach().resolve_conj().resolve_neg().numpy() for t in tensors]
 
 
 def _solve_kernel(lower, diag, upper, rhs):

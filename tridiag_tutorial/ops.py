@@ -5,8 +5,10 @@ Design (chapter 7 explains it; chapter 5 shows the traps it gets around)::
     tridiagonal_solve(lower, diag, upper, rhs)      validate + broadcast (one place)
         |-- nothing observes the call (no grad, no transform, no mode): the kernel, directly
         |-- eager:     _TridiagonalSolve.apply      autograd.Function: backward, jvp, vmap
-        |-- compiling: torch.ops.tridiag_tutorial.tridiagonal_solve
-        |                                           custom op: fake kernel, autograd, vmap
+        |-- compiling: torch.ops.tridiag_tutorial.solve
+        |                                           library op: fake kernel (via solve_kernel),
+        |                                           an Autograd kernel that works under
+        |                                           torch.func, and a vmap rule
         `-- all run the same kernels: LAPACK on CPU, the batched torch kernel elsewhere
 
 Why two paths? On torch 2.13 (measured in chapter 5):
@@ -18,9 +20,29 @@ Why two paths? On torch 2.13 (measured in chapter 5):
 
 So eager code (including every ``torch.func`` transform and forward-mode AD) goes through the
 ``autograd.Function``, which defines ``setup_context``, ``backward``, ``jvp`` and ``vmap``; code
-being compiled (``torch.compiler.is_compiling()``) goes through the custom op, which Dynamo treats
-as one opaque node with a fake kernel and a registered backward. Both use the rules of
+being compiled (``torch.compiler.is_compiling()``) goes through the op ``tridiag_tutorial::solve``,
+which Dynamo treats as one opaque node. That op is defined with ``torch.library.Library`` rather
+than ``custom_op`` so that its Autograd kernel can be ours: a single-level autograd.Function with
+``backward`` and ``jvp`` (the way functorch attaches an autograd.Function to one transform level),
+so ``torch.func.grad``, ``vjp``, ``jacrev``, ``jvp``, ``jacfwd``, ``vmap`` and forward-mode dual
+numbers all work inside a compiled function. Both paths use the rules of
 :mod:`tridiag_tutorial.rules`.
+
+What does not compose, and raises instead of answering wrongly (chapter 7's support table):
+
+- nested differentiation (``hessian``, ``jacfwd(jacrev(f))``, ``grad(grad(f))``) *inside*
+  ``torch.compile``: a single-level Function differentiates at one level only. The error says so
+  and what to do (run that transform eagerly; compiled single-level transforms work);
+- forward-over-forward (``jvp`` of ``jvp``, ``jacfwd(jacfwd(f))``), eager or compiled: torch does
+  not differentiate an ``autograd.Function``'s ``jvp`` staticmethod at an outer forward level (it
+  returns a silently wrong second derivative, for ``torch.linalg.solve`` as well), so the op raises
+  and points to ``hessian`` / ``jacfwd(jacrev(f))``, which work eagerly;
+- double backward (``create_graph=True``) through a compiled function: torch's AOTAutograd
+  raises its own error ("does not currently support double backward").
+
+The kernel that a CPU tensor goes to (LAPACK, or the pure-torch kernel under
+:func:`~tridiag_tutorial.custom_op.torch_kernel_on_cpu`) is context-local state; each path saves
+the choice its forward made and its backward and ``jvp`` run on the same kernel.
 
 Factor reuse (eager path), where it is faster (:func:`_keeps_factors`): when a backward pass will
 follow, the forward factors ``A = LU`` once and keeps the factors; a plain first-order backward then
@@ -35,14 +57,16 @@ calls the differentiable solve on ``A^H`` instead, so derivatives of any order w
 from __future__ import annotations
 
 import contextlib
+import contextvars
 
 import torch
 from torch.autograd import forward_ad
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
-from . import lapack, rules, torch_kernel
+from . import _compat, lapack, rules, torch_kernel
 from ._validation import validate
-from .custom_op import _numpy, _solve_kernel, _use_lapack, _vmap_rule
+from .custom_op import (_kernel_choice, _numpy, _solve_kernel, _torch_kernel_on_cpu, _use_lapack,
+                        _vmap_rule)
 from .custom_op import tridiagonal_solve_op as _solve_op
 
 __all__ = ["tridiagonal_solve"]
@@ -71,19 +95,22 @@ def _factor_solve_fake(lower, diag, upper, rhs):
     return rhs.new_empty(rhs.shape), diag.new_empty(diag.shape[:-1] + (5, diag.shape[-1]))
 
 
-_FACTOR_REUSE: bool | None = None  # None: decide by measurement (_keeps_factors); see _factor_reuse
+# None: decide by measurement (_keeps_factors). Context-local, like the kernel choice.
+_FACTOR_REUSE: contextvars.ContextVar[bool | None] = contextvars.ContextVar(
+    "tridiag_tutorial_factor_reuse", default=None)
 
 
 @contextlib.contextmanager
 def _factor_reuse(enabled: bool | None):
-    """Force factor reuse on (``True``) or off (``False``) within the block; ``None`` restores the
-    measured policy. For the tests and the benchmarks, which compare both strategies."""
-    global _FACTOR_REUSE
-    previous, _FACTOR_REUSE = _FACTOR_REUSE, enabled
+    """Force factor reuse on (``True``) or off (``False``) within the block, in this thread or
+    task; ``None`` restores the measured policy. For the tests and the benchmarks, which compare
+    both strategies. The choice is made in the forward: a backward that runs after the block still
+    uses the factors kept (or not) by its forward."""
+    token = _FACTOR_REUSE.set(enabled)
     try:
         yield
     finally:
-        _FACTOR_REUSE = previous
+        _FACTOR_REUSE.reset(token)
 
 
 _LAPACK_REUSE_MIN_N = 10**5  # see _keeps_factors
@@ -105,8 +132,9 @@ def _keeps_factors(rhs: torch.Tensor) -> bool:
     ``(*B, 5, n)`` factors are held in memory until it runs. ``rhs`` is the validated
     ``(*B, n, k)`` right-hand side.
     """
-    if _FACTOR_REUSE is not None:
-        return _FACTOR_REUSE
+    forced = _FACTOR_REUSE.get()
+    if forced is not None:
+        return forced
     if not _use_lapack(rhs):
         return True
     one_system = rhs.shape[:-2].numel() == 1 and rhs.shape[-1] == 1
@@ -160,19 +188,23 @@ def _unobserved(args) -> bool:
 # The eager path: an autograd.Function that torch.func and forward-mode AD understand.
 # --------------------------------------------------------------------------------------------
 class _TridiagonalSolve(torch.autograd.Function):
-    """``(x, lu) = solve(lower, diag, upper, rhs, keep_lu)``; ``lu`` is empty unless ``keep_lu``."""
+    """``(x, lu) = solve(lower, diag, upper, rhs, keep_lu, torch_kernel)``; ``lu`` is empty unless
+    ``keep_lu``. ``torch_kernel`` is the kernel choice made by the caller (see
+    :func:`~tridiag_tutorial.custom_op.torch_kernel_on_cpu`); the backward and ``jvp`` reuse it."""
 
     @staticmethod
-    def forward(lower, diag, upper, rhs, keep_lu):
+    def forward(lower, diag, upper, rhs, keep_lu, torch_kernel):
         direct = _direct(lower, diag, upper, rhs)  # else the custom ops (fake kernels, modes)
-        if keep_lu:
-            return (_factor_solve_kernel if direct else _factor_solve_op)(lower, diag, upper, rhs)
-        x = (_solve_kernel if direct else _solve_op)(lower, diag, upper, rhs)
+        with _kernel_choice(torch_kernel):
+            if keep_lu:
+                return (_factor_solve_kernel if direct else _factor_solve_op)(lower, diag, upper,
+                                                                              rhs)
+            x = (_solve_kernel if direct else _solve_op)(lower, diag, upper, rhs)
         return x, diag.new_empty(diag.shape[:-1] + (0,))
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        lower, diag, upper, _, _ = inputs
+        lower, diag, upper, rhs, _, ctx.torch_kernel = inputs
         x, lu = output
         ctx.mark_non_differentiable(lu)
         ctx.set_materialize_grads(False)  # no zero-filled (..., 5, n) gradient for lu, ever
@@ -183,33 +215,142 @@ class _TridiagonalSolve(torch.autograd.Function):
     def backward(ctx, grad_x, _grad_lu):
         lower, diag, upper, x, lu = ctx.saved_tensors
         if grad_x is None:  # grads are not materialised: x was not used by the loss
-            return None, None, None, None, None
+            return None, None, None, None, None, None
         plain = not torch.is_grad_enabled() and forward_ad._current_level < 0  # no AD watching
-        if plain and _direct(grad_x, x, lu, lower, diag, upper):
-            # First-order backward, not itself differentiated: call the kernels directly.
-            if lu.numel():  # the forward kept its factors: solve with A^T / A^H from them
-                v = _lu_solve_kernel(lu, grad_x, "C" if x.is_complex() else "T")
-                return (*rules.band_gradients(v, x), v, None)
-            return (*rules.solve_backward(_solve_kernel, lower, diag, upper, x, grad_x), None)
-        # Otherwise solve again through the differentiable op, so higher derivatives work.
-        return (*rules.solve_backward(_differentiable_solve, lower, diag, upper, x, grad_x), None)
+        with _kernel_choice(ctx.torch_kernel):  # the forward's kernel, whatever the caller's now
+            if plain and _direct(grad_x, x, lu, lower, diag, upper):
+                # First-order backward, not itself differentiated: call the kernels directly.
+                if lu.numel():  # the forward kept its factors: solve with A^T / A^H from them
+                    v = _lu_solve_kernel(lu, grad_x, "C" if x.is_complex() else "T")
+                    return (*rules.band_gradients(v, x), v, None, None)
+                grads = rules.solve_backward(_solve_kernel, lower, diag, upper, x, grad_x)
+            else:  # solve again through the differentiable op, so higher derivatives work
+                grads = rules.solve_backward(_differentiable_solve, lower, diag, upper, x, grad_x)
+        return (*grads, None, None)
 
     @staticmethod
-    def jvp(ctx, d_lower, d_diag, d_upper, d_rhs, _d_keep_lu):
+    def jvp(ctx, d_lower, d_diag, d_upper, d_rhs, _d_keep_lu, _d_torch_kernel):
+        _check_not_forward_over_forward()
         lower, diag, upper, x = ctx.saved_tensors
-        dx = rules.solve_jvp(_differentiable_solve, lower, diag, upper, x,
-                             d_lower, d_diag, d_upper, d_rhs)
+        with _kernel_choice(ctx.torch_kernel):
+            dx = rules.solve_jvp(_differentiable_solve, lower, diag, upper, x,
+                                 d_lower, d_diag, d_upper, d_rhs)
         return dx, None
 
     @staticmethod
-    def vmap(info, in_dims, lower, diag, upper, rhs, keep_lu):
-        return _vmap_rule(lambda *a: _TridiagonalSolve.apply(*a, keep_lu), info, in_dims[:4],
-                          lower, diag, upper, rhs, out_dims=(0, 0))
+    def vmap(info, in_dims, lower, diag, upper, rhs, keep_lu, torch_kernel):
+        return _vmap_rule(lambda *a: _TridiagonalSolve.apply(*a, keep_lu, torch_kernel), info,
+                          in_dims[:4], lower, diag, upper, rhs, out_dims=(0, 0))
 
 
 def _differentiable_solve(lower, diag, upper, rhs):
-    x, _ = _TridiagonalSolve.apply(lower, diag, upper, rhs, False)
+    """The differentiable solve that backward and jvp rules call, on the current kernel choice."""
+    x, _ = _TridiagonalSolve.apply(lower, diag, upper, rhs, False, _torch_kernel_on_cpu())
     return x
+
+
+_FORWARD_OVER_FORWARD = (
+    "tridiagonal_solve: forward-mode AD nested in forward-mode AD (torch.func.jvp of jvp, "
+    "jacfwd(jacfwd(f))) is not supported: torch does not differentiate an autograd.Function's "
+    "jvp rule at an outer forward-mode level, so the second derivative would be silently wrong. "
+    "Use torch.func.hessian or jacfwd(jacrev(f)) (forward-over-reverse), or jacrev(jacrev(f)), "
+    "which work.")
+
+
+def _check_not_forward_over_forward() -> None:
+    if _compat.forward_transform_depth() > 1:
+        raise NotImplementedError(_FORWARD_OVER_FORWARD)
+
+
+# --------------------------------------------------------------------------------------------
+# The compiled path: tridiag_tutorial::solve, an op with an Autograd kernel of our own.
+# --------------------------------------------------------------------------------------------
+@torch.library.custom_op("tridiag_tutorial::solve_kernel", mutates_args=())
+def _kernel_op(lower: torch.Tensor, diag: torch.Tensor, upper: torch.Tensor, rhs: torch.Tensor,
+               torch_kernel: bool) -> torch.Tensor:
+    """The kernel alone (no autograd): what the compiled graph calls, forward and backward."""
+    with _kernel_choice(torch_kernel):
+        return _solve_kernel(lower, diag, upper, rhs)
+
+
+@_kernel_op.register_fake
+def _kernel_fake(lower, diag, upper, rhs, torch_kernel):
+    return rhs.new_empty(rhs.shape)  # the real kernels return a new C-contiguous tensor
+
+
+@_kernel_op.register_vmap
+def _kernel_vmap(info, in_dims, lower, diag, upper, rhs, torch_kernel):
+    return _vmap_rule(lambda *a: _kernel_op(*a, torch_kernel), info, in_dims[:4],
+                      lower, diag, upper, rhs)
+
+
+_LIB = torch.library.Library("tridiag_tutorial", "FRAGMENT")
+_LIB.define("solve(Tensor lower, Tensor diag, Tensor upper, Tensor rhs, bool torch_kernel) -> Tensor")
+_LIB.impl("solve", _kernel_op, "CompositeExplicitAutograd")  # every backend, meta and fake too
+
+
+class _CompiledSolve(_compat.SingleLevelFunction):
+    """The Autograd kernel of ``tridiag_tutorial::solve``: one autograd node at the current level."""
+
+    @staticmethod
+    def forward(lower, diag, upper, rhs, torch_kernel):
+        return _kernel_op(lower, diag, upper, rhs, torch_kernel)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        lower, diag, upper, _, ctx.torch_kernel = inputs
+        ctx.save_for_backward(lower, diag, upper, output)
+        ctx.save_for_forward(lower, diag, upper, output)
+
+    @staticmethod
+    def backward(ctx, grad_x):
+        lower, diag, upper, x = ctx.saved_tensors
+        solve = _compiled_solver(ctx.torch_kernel)
+        return (*rules.solve_backward(solve, lower, diag, upper, x, grad_x), None)
+
+    @staticmethod
+    def jvp(ctx, d_lower, d_diag, d_upper, d_rhs, _d_torch_kernel):
+        _check_not_forward_over_forward()
+        lower, diag, upper, x = ctx.saved_tensors
+        return rules.solve_jvp(_compiled_solver(ctx.torch_kernel), lower, diag, upper, x,
+                               d_lower, d_diag, d_upper, d_rhs)
+
+
+_NESTED_UNDER_COMPILE = (
+    "tridiagonal_solve: nested differentiation inside torch.compile (torch.func.hessian, "
+    "jacfwd(jacrev(f)), grad(grad(f)), a transform of a transform that both differentiate) is not "
+    "supported: the compiled op attaches its derivative to one transform level only. Run the "
+    "nested transform eagerly (without torch.compile), where it works; inside torch.compile, one "
+    "level of grad, vjp, jacrev, jvp or jacfwd (optionally under vmap) works.")
+
+
+def _solve_autograd(lower, diag, upper, rhs, torch_kernel):
+    if _compat.differentiation_depth() > 1:
+        raise NotImplementedError(_NESTED_UNDER_COMPILE)
+    with _compat.enable_single_level_autograd_function():
+        return _CompiledSolve.apply(lower, diag, upper, rhs, torch_kernel)
+
+
+_LIB.impl("solve", _solve_autograd, "Autograd")
+_compiled_op = torch.ops.tridiag_tutorial.solve.default
+
+
+def _compiled_solver(torch_kernel: bool):
+    return lambda lower, diag, upper, rhs: _compiled_op(lower, diag, upper, rhs, torch_kernel)
+
+
+def _compiled_vmap(info, in_dims, lower, diag, upper, rhs, torch_kernel):
+    return _vmap_rule(_compiled_solver(torch_kernel), info, in_dims[:4], lower, diag, upper, rhs)
+
+
+torch.library.register_vmap("tridiag_tutorial::solve", _compiled_vmap, lib=_LIB)
+
+
+@torch.compiler.assume_constant_result
+def _torch_kernel_when_traced() -> bool:
+    """The kernel choice, read once when Dynamo traces the call and baked into the graph (so the
+    compiled forward and backward agree; a later call of the compiled function keeps it)."""
+    return _torch_kernel_on_cpu()
 
 
 # --------------------------------------------------------------------------------------------
@@ -263,12 +404,17 @@ def tridiagonal_solve(lower: torch.Tensor, diag: torch.Tensor, upper: torch.Tens
     p = validate(lower, diag, upper, rhs)
     args = (p.lower, p.diag, p.upper, p.rhs)
     if torch.compiler.is_compiling():
-        x = _solve_op(*args)
+        x = _compiled_op(*args, _torch_kernel_when_traced())
+    elif torch.jit.is_tracing():
+        raise RuntimeError(
+            "tridiagonal_solve: torch.jit.trace cannot record this op (it calls LAPACK through "
+            "NumPy, so the trace would hold the solution as a constant). Use torch.compile, or "
+            "torch.export.export for a graph to save.")
     elif _unobserved(args):
         x = _solve_kernel(*args)  # no autograd, transform or mode can see the call: skip dispatch
     else:
         # Keep the LU factors only when a backward pass will want them, and reuse pays.
         keep_lu = (torch.is_grad_enabled() and any(t.requires_grad for t in args)
                    and _keeps_factors(p.rhs))
-        x, _ = _TridiagonalSolve.apply(*args, keep_lu)
+        x, _ = _TridiagonalSolve.apply(*args, keep_lu, _torch_kernel_on_cpu())
     return x.squeeze(-1) if p.vector_rhs else x

@@ -1,0 +1,39 @@
+"""The private torch APIs that the composition machinery of :mod:`tridiag_tutorial.ops` needs, in
+one place, each with what it detects. ``tests/test_compat.py`` fails loudly if a torch release
+removes or renames one of them.
+
+Why private APIs at all: whether a ``torch.func`` transform is active, and which ones, is not
+exposed publicly, and the only way to give a ``torch.library`` op an autograd kernel that works
+under ``torch.func`` transforms traced by ``torch.compile`` is the single-level autograd.Function
+that functorch itself uses for the same purpose (``torch/_functorch/autograd_function.py``).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch._C._functorch import TransformType
+from torch._functorch.pyfunctorch import retrieve_all_functorch_interpreters
+from torch._functorch.utils import enable_single_level_autograd_function
+
+__all__ = ["SingleLevelFunction", "enable_single_level_autograd_function",
+           "forward_transform_depth", "differentiation_depth"]
+
+#: An ``autograd.Function`` whose ``apply`` records one autograd node on the tensors it is given,
+#: at the current functorch level, without functorch's ``custom_function_call`` (which needs the
+#: functorch layer that dispatching an op to its Autograd kernel has already peeled off). functorch
+#: builds its per-level functions on this class; ``apply`` must run inside
+#: :func:`enable_single_level_autograd_function` while any transform is active.
+SingleLevelFunction = torch.autograd.function._SingleLevelFunction
+
+
+def forward_transform_depth() -> int:
+    """How many ``torch.func`` forward-mode transforms (``jvp``, ``jacfwd``, ``hessian``'s outer
+    ``jacfwd``) are active right now."""
+    return sum(i.key() == TransformType.Jvp for i in retrieve_all_functorch_interpreters())
+
+
+def differentiation_depth() -> int:
+    """How many differentiating ``torch.func`` transforms (``grad``/``vjp``/``jacrev`` and
+    ``jvp``/``jacfwd``) are active right now; ``vmap`` levels do not count."""
+    return sum(i.key() in (TransformType.Grad, TransformType.Jvp)
+               for i in retrieve_all_functorch_interpreters())
