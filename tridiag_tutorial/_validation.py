@@ -1,10 +1,15 @@
 """One place that checks and broadcasts the inputs of every entry point.
 
-Convention (the same as LAPACK's ``?gtsv``, SciPy and JAX), for an ``n x n`` matrix ``A``::
+Convention (the same as LAPACK's ``?gtsv`` and SciPy's wrappers), for an ``n x n`` matrix ``A``::
 
     lower[..., i] = A[i+1, i]    shape (..., n-1)
     diag[..., i]  = A[i, i]      shape (..., n)
     upper[..., i] = A[i, i+1]    shape (..., n-1)
+
+JAX's ``jax.lax.linalg.tridiagonal_solve(dl, d, du, b)`` differs: its three bands all have length
+``n``, ``dl[..., i] = A[i, i-1]`` with ``dl[..., 0] = 0``, and ``du[..., i] = A[i, i+1]`` with
+``du[..., n-1] = 0``. So ``lower = dl[..., 1:]`` and ``upper = du[..., :-1]``; the other way,
+``dl = pad(lower, (1, 0))`` and ``du = pad(upper, (0, 1))``. Its ``b`` is always ``(..., n, k)``.
 
 ``rhs`` is one vector per system, shape ``(..., n)``, when ``rhs.ndim == diag.ndim``, and ``k``
 columns per system, shape ``(..., n, k)``, when ``rhs.ndim == diag.ndim + 1``. The batch
@@ -46,7 +51,8 @@ def validate(lower, diag, upper, rhs, *, name: str = "tridiagonal_solve") -> Pro
     """Check ``(lower, diag, upper, rhs)`` and broadcast their batch dimensions.
 
     Raises:
-        TypeError: an argument is not a tensor; dtypes differ; a dtype is not float32, float64,
+        TypeError: an argument is not a tensor or not a dense (strided) one, such as a sparse or
+            nested tensor; dtypes differ; a dtype is not float32, float64,
             complex64 or complex128 (integers, bool and half precision are refused rather than
             silently promoted).
         ValueError: devices differ; the band lengths do not fit ``n = diag.shape[-1]``; ``rhs``
@@ -57,6 +63,11 @@ def validate(lower, diag, upper, rhs, *, name: str = "tridiagonal_solve") -> Pro
     for arg, t in zip(_NAMES, tensors):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name}: {arg} must be a torch.Tensor, got {type(t).__name__}")
+        if t.is_nested or t.layout != torch.strided:
+            layout = f"{t.layout} (nested)" if t.is_nested else t.layout
+            raise TypeError(
+                f"{name}: {arg} must be a dense (torch.strided) tensor, got layout {layout}; "
+                f"convert it with .to_dense() (sparse) or .unbind() / .to_padded_tensor() (nested)")
 
     dtypes = {t.dtype for t in tensors}
     if len(dtypes) > 1:

@@ -116,15 +116,30 @@ def gttrs(factors: LUFactors, rhs: np.ndarray, trans: str = "N") -> np.ndarray:
     return x[:, 0] if vector else x
 
 
-def _batch_error(err: torch.linalg.LinAlgError, n: int, batch) -> torch.linalg.LinAlgError:
-    """Turn a zero pivot of a joined system (see :func:`_join`) into its batch element's own."""
+def _batch_error(err: torch.linalg.LinAlgError, n: int, batch, systems=None) -> torch.linalg.LinAlgError:
+    """Turn a zero pivot of a joined system (see :func:`_join`) into its batch element's own.
+
+    ``systems`` maps the joined system's blocks to flat batch indices when only some systems of
+    the batch were joined (all of them, in order, when ``None``). The message has one format
+    whichever path found the pivot: the routine's ``info`` is left out.
+    """
     global_pivot = int(str(err).split("U[", 1)[1].split(",", 1)[0])
     element, pivot = divmod(global_pivot, n)
+    if systems is not None:
+        element = int(systems[element])
     message = str(err).replace(f"U[{global_pivot}, {global_pivot}]", f"U[{pivot}, {pivot}]")
     message = message.split(" (LAPACK")[0]
     if batch:
         where = tuple(int(i) for i in np.unravel_index(element, batch))
         message += f", in batch element {where}"
+    return torch.linalg.LinAlgError(message)
+
+
+def _element_error(err, index: int, batch) -> torch.linalg.LinAlgError:
+    """A zero pivot found in batch element ``index`` (flat) solved alone, in the same format."""
+    message = str(err).split(" (LAPACK")[0]
+    if batch:
+        message += f", in batch element {tuple(int(i) for i in np.unravel_index(index, batch))}"
     return torch.linalg.LinAlgError(message)
 
 
@@ -157,10 +172,7 @@ def _solve_each(lower, diag, upper, rhs, solve_one):
         try:
             results.append(solve_one(*(a[index] for a in flat)))
         except torch.linalg.LinAlgError as err:
-            if not batch:
-                raise
-            where = tuple(int(i) for i in np.unravel_index(index, batch))
-            raise torch.linalg.LinAlgError(f"{err}, in batch element {where}") from None
+            raise _element_error(err, index, batch) from None
     return results
 
 
@@ -170,18 +182,53 @@ def solve(lower: np.ndarray, diag: np.ndarray, upper: np.ndarray, rhs: np.ndarra
     Shapes: ``lower``, ``upper`` ``(*batch, n-1)``, ``diag`` ``(*batch, n)``, ``rhs``
     ``(*batch, n, k)``, all with the same ``batch`` (broadcast beforehand). Returns a new
     C-contiguous array ``(*batch, n, k)``, equal to solving each system on its own. A singular
-    system raises :class:`torch.linalg.LinAlgError` that names its pivot and batch index.
+    system raises :class:`torch.linalg.LinAlgError` that names its pivot and batch index, also
+    when there is no right-hand side (``k = 0``), as :func:`torch.linalg.solve` does.
     """
     batch, n = diag.shape[:-1], diag.shape[-1]
     if rhs.size == 0:
+        if diag.size:  # nothing to solve for, but a singular matrix must still raise
+            solve(lower, diag, upper, np.zeros(rhs.shape[:-1] + (1,), dtype=rhs.dtype))
         return np.empty(rhs.shape, dtype=rhs.dtype)
     try:
         x = gtsv(*_join(lower, diag, upper, rhs)).reshape(rhs.shape)
     except torch.linalg.LinAlgError as err:
         raise _batch_error(err, n, batch) from None
     if batch and not np.isfinite(x).all():  # keep non-finite values inside their own system
-        x = np.stack(_solve_each(lower, diag, upper, rhs, gtsv)).reshape(rhs.shape)
+        x = _solve_non_finite_apart(lower, diag, upper, rhs)
     return x
+
+
+def _solve_non_finite_apart(lower, diag, upper, rhs) -> np.ndarray:
+    """The joined solve when some system holds a non-finite value.
+
+    In the joined system a NaN or infinity leaks into every later and earlier block (``0 * inf``
+    is NaN at the exactly-zero couplings). So the systems whose inputs are all finite are joined
+    and solved again in one call, and only those with a non-finite input are solved one by one;
+    if a finite system still overflows, each system is solved alone.
+    """
+    batch, n = diag.shape[:-1], diag.shape[-1]
+    size = int(np.prod(batch))
+    flat = [a.reshape(size, *a.shape[len(batch):]) for a in (lower, diag, upper, rhs)]
+    finite = np.logical_and.reduce([np.isfinite(a).reshape(size, -1).all(axis=1) for a in flat])
+    good, alone = np.flatnonzero(finite), np.flatnonzero(~finite)
+    x = np.empty(flat[3].shape, dtype=rhs.dtype)
+    if good.size:
+        try:
+            x_good = gtsv(*_join(*(a[good] for a in flat)))
+        except torch.linalg.LinAlgError as err:
+            raise _batch_error(err, n, batch, systems=good) from None
+        x_good = x_good.reshape((good.size,) + x.shape[1:])
+        if np.isfinite(x_good).all():
+            x[good] = x_good
+        else:  # overflow in a finite system: no block can be trusted, solve each alone
+            alone = np.arange(size)
+    for index in alone:
+        try:
+            x[index] = gtsv(*(a[index] for a in flat))
+        except torch.linalg.LinAlgError as err:
+            raise _element_error(err, index, batch) from None
+    return x.reshape(rhs.shape)
 
 
 def _factor_packed(dl, d, du, size: int, n: int):
@@ -247,8 +294,11 @@ def factor_solve(lower, diag, upper, rhs):
     """
     batch, n = diag.shape[:-1], diag.shape[-1]
     size = int(np.prod(batch))
-    if rhs.size == 0 or size == 0:
+    if size == 0:
         return np.empty(rhs.shape, dtype=rhs.dtype), np.zeros(batch + (5, n), dtype=diag.dtype)
+    if rhs.size == 0:  # no right-hand side: factor all the same, so a singular matrix raises
+        _, lu = factor_solve(lower, diag, upper, np.zeros(rhs.shape[:-1] + (1,), dtype=rhs.dtype))
+        return np.empty(rhs.shape, dtype=rhs.dtype), lu
 
     def factor_one(dl, d, du, b, size=1):
         packed, factors = _factor_packed(dl, d, du, size, n)
