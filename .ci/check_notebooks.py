@@ -1,28 +1,80 @@
-"""Fail when a committed notebook holds an error that is not expected.
+"""Fail when a committed notebook holds an output that readers or another machine would not see.
 
-The book renders committed outputs (nbval proves they are current), so an error output would
-otherwise reach readers silently. Cells tagged ``raises-exception`` are allowed to show one.
+The book renders committed outputs and nbval compares them on every run, on whatever machine CI
+gets. So a notebook must not hold:
+
+- an error output, except in a cell tagged ``raises-exception``;
+- a code cell that was never executed;
+- in a *checked* cell (one nbval compares: without ``# NBVAL_IGNORE_OUTPUT`` / ``# NBVAL_SKIP``),
+  a printed float below 1e-9 in magnitude, written in scientific notation (``6.1e-16``): such
+  digits are round-off, and differ between CPU models, BLAS kernels and thread counts. Print the
+  bound that was asserted instead (``error < 1e-12``: a number right after ``<`` or ``<=`` is a
+  bound and passes, and so does the float64 machine epsilon). A cell whose tiny numbers are exact
+  on every machine (inputs, a grid of step sizes, scalar libm results) says why in a comment
+  ``# NBVAL_DETERMINISTIC: reason``;
+- an ``assert`` in a cell that reads a clock (``perf_counter``, ``timeit``, ``time.time``,
+  ``torch.utils.benchmark``): timing claims come from committed benchmark results, never from a
+  live measurement that a loaded machine can fail;
+- a cell that reads torch's own source (``inspect.getsource(torch...)``), which changes between
+  torch releases.
 """
 import json
+import re
 import sys
 from pathlib import Path
+
+TINY = re.compile(r"(?<![\w.])[-+]?\d+(?:\.\d+)?[eE]-(\d+)\b")
+BOUND = re.compile(r"(?:<|<=|\u2264)\s*$")
+EPSILON = {"2.2e-16", "2.22e-16", "2.220e-16", "2.2204e-16", "1.1e-16", "1.11e-16"}
+CLOCKS = re.compile(r"perf_counter|process_time|\btimeit\b|time\.time\(|torch\.utils\.benchmark|"
+                    r"\bTimer\(|blocked_autorange|adaptive_autorange")
+IGNORED = ("NBVAL_IGNORE_OUTPUT", "NBVAL_SKIP")
+
+
+def _text(output) -> str:
+    if "text" in output:
+        text = output["text"]
+    else:
+        text = output.get("data", {}).get("text/plain", "")
+    return "".join(text) if isinstance(text, list) else str(text)
+
+
+def cell_problems(index, cell):
+    if cell["cell_type"] != "code":
+        return
+    source = "".join(cell.get("source", []))
+    tags = cell.get("metadata", {}).get("tags", [])
+    if cell.get("execution_count") is None:
+        yield f"code cell {index} was never executed"
+    for output in cell.get("outputs", []):
+        if output.get("output_type") == "error" and "raises-exception" not in tags:
+            yield f"code cell {index} raised {output.get('ename')}: {output.get('evalue')}"
+    if "inspect.getsource(torch" in source:
+        yield f"code cell {index} reads torch's own source, which changes between releases"
+    code = "\n".join(line for line in source.splitlines() if not line.lstrip().startswith("#"))
+    if CLOCKS.search(code) and re.search(r"^\s*assert\b", code, re.M):
+        yield f"code cell {index} reads a clock and asserts: no notebook may assert on a timing"
+    if any(marker in source for marker in IGNORED + ("NBVAL_DETERMINISTIC:",)):
+        return
+    for output in cell.get("outputs", []):
+        text = _text(output)
+        for match in TINY.finditer(text):
+            bound = BOUND.search(text[max(0, match.start() - 4):match.start()])
+            if int(match.group(1)) >= 9 and not bound and match.group(0) not in EPSILON:
+                yield (f"code cell {index} prints {match.group(0)}, round-off that another CPU "
+                       f"prints differently: print the asserted bound or a rounded figure")
+                break
 
 
 def problems(folder):
     for path in sorted(Path(folder).glob("*.ipynb")):
         nb = json.loads(path.read_text())
         for index, cell in enumerate(nb["cells"]):
-            if cell["cell_type"] != "code":
-                continue
-            tags = cell.get("metadata", {}).get("tags", [])
-            if cell.get("execution_count") is None:
-                yield f"{path}: code cell {index} was never executed"
-            for output in cell.get("outputs", []):
-                if output.get("output_type") == "error" and "raises-exception" not in tags:
-                    yield f"{path}: code cell {index} raised {output.get('ename')}: {output.get('evalue')}"
+            for problem in cell_problems(index, cell):
+                yield f"{path}: {problem}"
 
 
 if __name__ == "__main__":
     found = list(problems(sys.argv[1] if len(sys.argv) > 1 else "notebooks"))
-    print("\n".join(found) or "notebooks: no unexpected errors")
+    print("\n".join(found) or "notebooks: no unexpected errors, round-off or timing assertions")
     sys.exit(1 if found else 0)

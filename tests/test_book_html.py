@@ -62,7 +62,6 @@ def test_build_has_no_warnings(build):
     problems = [line for line in log.splitlines()
                 if re.search(r"\b(WARNING|ERROR|CRITICAL)\b", line)]
     assert not problems, "\n".join(problems)
-    assert seconds < 300, f"the book took {seconds:.0f} s to build"
 
 
 def test_every_toc_page_has_html(build):

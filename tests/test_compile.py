@@ -7,7 +7,7 @@ from tridiag_tutorial import tridiagonal_solve
 from tridiag_tutorial.autograd_function import tridiagonal_solve_function
 from tridiag_tutorial.custom_op import tridiagonal_solve_custom_op
 
-from conftest import assert_close, make_system
+from conftest import assert_close, make_system, torch_trap
 
 
 def loss_of(solve):
@@ -67,6 +67,7 @@ def test_inductor_compiles_and_matches():
         assert_close(g, e)
 
 
+@torch_trap
 def test_function_with_jvp_cannot_be_traced_fullgraph():
     """Pins the torch 2.13 trap behind the final op's design: Dynamo refuses an autograd.Function
     with a jvp staticmethod under fullgraph=True, so the compiled path must use the custom op."""

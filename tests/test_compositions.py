@@ -14,7 +14,7 @@ from torch.func import grad, hessian, jacfwd, jacrev, jvp, vjp, vmap
 
 from tridiag_tutorial import to_dense, tridiagonal_solve
 
-from conftest import make_system
+from conftest import make_system, torch_trap
 
 LOWER, DIAG, UPPER, RHS = make_system(5, seed=11)
 BATCH = DIAG + torch.arange(3, dtype=torch.float64)[:, None]  # 3 diagonals for vmap
@@ -99,6 +99,7 @@ def test_transform_outside_a_compiled_function(name):
     torch.testing.assert_close(transform(compiled)(arg), reference, rtol=1e-9, atol=1e-11)
 
 
+@torch_trap
 def test_double_backward_eager_and_compiled():
     """create_graph=True works eagerly; through a compiled function torch itself refuses."""
     d = DIAG.clone().requires_grad_()

@@ -1,0 +1,39 @@
+"""Every private torch API the package relies on still exists and still means what it did.
+
+If a torch release removes or renames one, this fails loudly, naming it, before anything
+subtler breaks (the compiled support matrix in test_compositions.py)."""
+
+import torch
+from torch.func import grad, jvp, vmap
+
+from tridiag_tutorial import _compat
+
+
+def test_private_names_exist():
+    assert issubclass(_compat.SingleLevelFunction, torch._C._FunctionBase)
+    assert callable(_compat.enable_single_level_autograd_function)
+    for name in ("peek_interpreter_stack", "is_functorch_wrapped_tensor", "is_batchedtensor",
+                 "is_legacy_batchedtensor"):
+        assert hasattr(torch._C._functorch, name), f"torch._C._functorch.{name} is gone"
+    assert hasattr(torch.autograd.forward_ad, "_current_level")
+    from torch.utils._python_dispatch import _get_current_dispatch_mode  # noqa: F401
+
+
+def test_transform_depths_are_detected():
+    seen = {}
+
+    def record(name):
+        def f(x):
+            seen[name] = (_compat.differentiation_depth(), _compat.forward_transform_depth())
+            return x.sin().sum()
+        return f
+
+    x = torch.ones(3)
+    record("none")(x)
+    grad(record("grad"))(x)
+    jvp(record("jvp"), (x,), (x,))
+    vmap(grad(record("vmap(grad)")))(x.expand(2, 3))
+    jvp(grad(record("jvp(grad)")), (x,), (x,))
+    jvp(lambda y: jvp(record("jvp(jvp)"), (y,), (y,))[1], (x,), (x,))
+    assert seen == {"none": (0, 0), "grad": (1, 0), "jvp": (1, 1), "vmap(grad)": (1, 0),
+                    "jvp(grad)": (2, 1), "jvp(jvp)": (2, 2)}
