@@ -18,6 +18,7 @@ gets. So a notebook must not hold:
 - a cell that reads torch's own source (``inspect.getsource(torch...)``), which changes between
   torch releases.
 """
+import ast
 import json
 import re
 import sys
@@ -29,6 +30,73 @@ EPSILON = {"2.2e-16", "2.22e-16", "2.220e-16", "2.2204e-16", "1.1e-16", "1.11e-1
 CLOCKS = re.compile(r"perf_counter|process_time|\btimeit\b|time\.time\(|torch\.utils\.benchmark|"
                     r"\bTimer\(|blocked_autorange|adaptive_autorange")
 IGNORED = ("NBVAL_IGNORE_OUTPUT", "NBVAL_SKIP")
+TIMERS = re.compile(CLOCKS.pattern + r"|median_time|_times?\(")
+
+
+def _names(node):
+    """Names a node reads."""
+    return {n.id for n in ast.walk(node) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)}
+
+
+def _base(node):
+    while isinstance(node, (ast.Attribute, ast.Subscript, ast.Starred)):
+        node = node.value
+    return node.id if isinstance(node, ast.Name) else None
+
+
+def _bound_names(stmt):
+    """Names a statement binds or fills: assignment targets, ``x[k] = ...``, ``x.append(...)``."""
+    targets = []
+    if isinstance(stmt, ast.Assign):
+        targets = stmt.targets
+    elif isinstance(stmt, (ast.AugAssign, ast.AnnAssign)):
+        targets = [stmt.target]
+    elif isinstance(stmt, ast.Expr) and isinstance(stmt.value, ast.Call):
+        func = stmt.value.func
+        if isinstance(func, ast.Attribute) and func.attr in ("append", "extend", "update"):
+            targets = [func.value]
+    out = set()
+    for target in targets:
+        for node in (target.elts if isinstance(target, ast.Tuple) else [target]):
+            if _base(node):
+                out.add(_base(node))
+    return out
+
+
+def _statements(body):
+    """The statements of a cell, into loops and branches but not into function bodies."""
+    for stmt in body:
+        if isinstance(stmt, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            continue
+        yield stmt
+        for field in ("body", "orelse", "finalbody", "handlers"):
+            yield from _statements(getattr(stmt, field, []) or [])
+
+
+def timing_asserts(cells):
+    """Indices of code cells that assert on a value measured with a clock, in this or an earlier
+    cell: names bound by a statement that calls a timer, and names computed from those."""
+    timed, found = set(), []
+    for index, cell in enumerate(cells):
+        if cell["cell_type"] != "code":
+            continue
+        source = "\n".join(line for line in "".join(cell.get("source", [])).splitlines()
+                           if not line.lstrip().startswith(("%", "!")))
+        try:
+            tree = ast.parse(source)
+        except SyntaxError:
+            continue
+        flagged = False
+        for stmt in _statements(tree.body):
+            if isinstance(stmt, ast.Assert):
+                flagged |= bool(_names(stmt.test) & timed)
+            elif isinstance(stmt, (ast.Assign, ast.AugAssign, ast.AnnAssign, ast.Expr)):
+                value = stmt.value if stmt.value is not None else stmt
+                if TIMERS.search(ast.unparse(value)) or _names(value) & timed:
+                    timed |= _bound_names(stmt)
+        if flagged:
+            found.append(index)
+    return found
 
 
 def _text(output) -> str:
@@ -72,6 +140,8 @@ def problems(folder):
         for index, cell in enumerate(nb["cells"]):
             for problem in cell_problems(index, cell):
                 yield f"{path}: {problem}"
+        for index in timing_asserts(nb["cells"]):
+            yield f"{path}: code cell {index} asserts on a timing measured in the notebook"
 
 
 if __name__ == "__main__":
