@@ -41,9 +41,18 @@ __all__ = ["tridiagonal_solve_op", "tridiagonal_solve_custom_op", "torch_kernel_
 _TORCH_KERNEL_ON_CPU = contextvars.ContextVar("tridiag_tutorial_torch_kernel_on_cpu", default=False)
 
 
-@contextlib.contextmanager
 def _kernel_choice(torch_kernel: bool):
-    """Within the block, CPU tensors go to the pure-torch kernel if ``torch_kernel``, else LAPACK."""
+    """Within the block, CPU tensors go to the pure-torch kernel if ``torch_kernel``, else LAPACK.
+
+    A no-op (``nullcontext``) when that is already the choice, which is also what lets Dynamo
+    trace code that states its choice (it cannot trace setting a ``ContextVar``)."""
+    if torch_kernel == _torch_kernel_on_cpu():
+        return contextlib.nullcontext()
+    return _set_kernel_choice(torch_kernel)
+
+
+@contextlib.contextmanager
+def _set_kernel_choice(torch_kernel: bool):
     token = _TORCH_KERNEL_ON_CPU.set(torch_kernel)
     try:
         yield
@@ -59,11 +68,14 @@ def torch_kernel_on_cpu():
     local to the calling thread (and asyncio task); a solve made inside the block runs its backward
     on the same kernel even when the backward runs after the block has ended.
     """
-    return _kernel_choice(True)
+    return _set_kernel_choice(True)
 
 
+@torch.compiler.assume_constant_result
 def _torch_kernel_on_cpu() -> bool:
-    """True inside :func:`torch_kernel_on_cpu` (in this thread or task)."""
+    """True inside :func:`torch_kernel_on_cpu` (in this thread or task). Dynamo reads it once,
+    when it traces, and bakes the answer into the graph (so a compiled forward and its backward
+    agree; a later call of the compiled function keeps the kernel it was traced with)."""
     return _TORCH_KERNEL_ON_CPU.get()
 
 

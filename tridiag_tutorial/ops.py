@@ -346,13 +346,6 @@ def _compiled_vmap(info, in_dims, lower, diag, upper, rhs, torch_kernel):
 torch.library.register_vmap("tridiag_tutorial::solve", _compiled_vmap, lib=_LIB)
 
 
-@torch.compiler.assume_constant_result
-def _torch_kernel_when_traced() -> bool:
-    """The kernel choice, read once when Dynamo traces the call and baked into the graph (so the
-    compiled forward and backward agree; a later call of the compiled function keeps it)."""
-    return _torch_kernel_on_cpu()
-
-
 # --------------------------------------------------------------------------------------------
 # The public face.
 # --------------------------------------------------------------------------------------------
@@ -404,7 +397,7 @@ def tridiagonal_solve(lower: torch.Tensor, diag: torch.Tensor, upper: torch.Tens
     p = validate(lower, diag, upper, rhs)
     args = (p.lower, p.diag, p.upper, p.rhs)
     if torch.compiler.is_compiling():
-        x = _compiled_op(*args, _torch_kernel_when_traced())
+        x = _compiled_op(*args, _torch_kernel_on_cpu())
     elif torch.jit.is_tracing():
         raise RuntimeError(
             "tridiagonal_solve: torch.jit.trace cannot record this op (it calls LAPACK through "
