@@ -127,16 +127,12 @@ def _batch_error(err: torch.linalg.LinAlgError, n: int, batch, systems=None) -> 
     element, pivot = divmod(global_pivot, n)
     if systems is not None:
         element = int(systems[element])
-    message = str(err).replace(f"U[{global_pivot}, {global_pivot}]", f"U[{pivot}, {pivot}]")
-    message = message.split(" (LAPACK")[0]
-    if batch:
-        where = tuple(int(i) for i in np.unravel_index(element, batch))
-        message += f", in batch element {where}"
-    return torch.linalg.LinAlgError(message)
+    local = str(err).replace(f"U[{global_pivot}, {global_pivot}]", f"U[{pivot}, {pivot}]")
+    return _element_error(local, element, batch)
 
 
 def _element_error(err, index: int, batch) -> torch.linalg.LinAlgError:
-    """A zero pivot found in batch element ``index`` (flat) solved alone, in the same format."""
+    """A zero pivot of batch element ``index`` (flat), in the one message format (no ``info``)."""
     message = str(err).split(" (LAPACK")[0]
     if batch:
         message += f", in batch element {tuple(int(i) for i in np.unravel_index(index, batch))}"

@@ -204,7 +204,7 @@ class _TridiagonalSolve(torch.autograd.Function):
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        lower, diag, upper, rhs, _, ctx.torch_kernel = inputs
+        lower, diag, upper, _, _, ctx.torch_kernel = inputs
         x, lu = output
         ctx.mark_non_differentiable(lu)
         ctx.set_materialize_grads(False)  # no zero-filled (..., 5, n) gradient for lu, ever
@@ -278,10 +278,19 @@ def _kernel_fake(lower, diag, upper, rhs, torch_kernel):
     return rhs.new_empty(rhs.shape)  # the real kernels return a new C-contiguous tensor
 
 
-@_kernel_op.register_vmap
-def _kernel_vmap(info, in_dims, lower, diag, upper, rhs, torch_kernel):
-    return _vmap_rule(lambda *a: _kernel_op(*a, torch_kernel), info, in_dims[:4],
-                      lower, diag, upper, rhs)
+def _on_kernel(op, torch_kernel: bool):
+    """``op`` as a solve of four tensors, with the kernel choice bound."""
+    return lambda lower, diag, upper, rhs: op(lower, diag, upper, rhs, torch_kernel)
+
+
+def _vmap_with_kernel(op):
+    """The batch rule of an op whose last argument is the kernel choice."""
+    def rule(info, in_dims, lower, diag, upper, rhs, torch_kernel):
+        return _vmap_rule(_on_kernel(op, torch_kernel), info, in_dims[:4], lower, diag, upper, rhs)
+    return rule
+
+
+_kernel_op.register_vmap(_vmap_with_kernel(_kernel_op))
 
 
 _LIB = torch.library.Library("tridiag_tutorial", "FRAGMENT")
@@ -305,14 +314,14 @@ class _CompiledSolve(_compat.SingleLevelFunction):
     @staticmethod
     def backward(ctx, grad_x):
         lower, diag, upper, x = ctx.saved_tensors
-        solve = _compiled_solver(ctx.torch_kernel)
+        solve = _on_kernel(_compiled_op, ctx.torch_kernel)
         return (*rules.solve_backward(solve, lower, diag, upper, x, grad_x), None)
 
     @staticmethod
     def jvp(ctx, d_lower, d_diag, d_upper, d_rhs, _d_torch_kernel):
         _check_not_forward_over_forward()
         lower, diag, upper, x = ctx.saved_tensors
-        return rules.solve_jvp(_compiled_solver(ctx.torch_kernel), lower, diag, upper, x,
+        return rules.solve_jvp(_on_kernel(_compiled_op, ctx.torch_kernel), lower, diag, upper, x,
                                d_lower, d_diag, d_upper, d_rhs)
 
 
@@ -333,17 +342,7 @@ def _solve_autograd(lower, diag, upper, rhs, torch_kernel):
 
 _LIB.impl("solve", _solve_autograd, "Autograd")
 _compiled_op = torch.ops.tridiag_tutorial.solve.default
-
-
-def _compiled_solver(torch_kernel: bool):
-    return lambda lower, diag, upper, rhs: _compiled_op(lower, diag, upper, rhs, torch_kernel)
-
-
-def _compiled_vmap(info, in_dims, lower, diag, upper, rhs, torch_kernel):
-    return _vmap_rule(_compiled_solver(torch_kernel), info, in_dims[:4], lower, diag, upper, rhs)
-
-
-torch.library.register_vmap("tridiag_tutorial::solve", _compiled_vmap, lib=_LIB)
+torch.library.register_vmap("tridiag_tutorial::solve", _vmap_with_kernel(_compiled_op), lib=_LIB)
 
 
 # --------------------------------------------------------------------------------------------
