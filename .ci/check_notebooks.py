@@ -15,6 +15,7 @@ gets. So a notebook must not hold:
 - an ``assert`` in a cell that reads a clock (``perf_counter``, ``timeit``, ``time.time``,
   ``torch.utils.benchmark``): timing claims come from committed benchmark results, never from a
   live measurement that a loaded machine can fail;
+- a checked cell that prints a version number (``torch.__version__``);
 - a cell that reads torch's own source (``inspect.getsource(torch...)``), which changes between
   torch releases.
 """
@@ -122,7 +123,12 @@ def cell_problems(index, cell):
     code = "\n".join(line for line in source.splitlines() if not line.lstrip().startswith("#"))
     if CLOCKS.search(code) and re.search(r"^\s*assert\b", code, re.M):
         yield f"code cell {index} reads a clock and asserts: no notebook may assert on a timing"
-    if any(marker in source for marker in IGNORED + ("NBVAL_DETERMINISTIC:",)):
+    if any(marker in source for marker in IGNORED):
+        return
+    if "__version__" in source and re.search(r"print\(.*__version__", source):
+        yield (f"code cell {index} prints a version number in a checked output: another "
+               f"installation (Colab, a newer torch) prints another; mark it # NBVAL_IGNORE_OUTPUT")
+    if "NBVAL_DETERMINISTIC:" in source:
         return
     for output in cell.get("outputs", []):
         text = _text(output)

@@ -27,6 +27,7 @@ def cell(source, text, **metadata):
     ("x", "residual = 3.3e-13"),
     ("t = time.perf_counter()\nassert ratio < 1.3", ""),
     ("import inspect\ninspect.getsource(torch.autograd.Function.apply)", ""),
+    ('print("torch", torch.__version__)', "torch 2.13.0+cpu\n"),
 ])
 def test_flags(source, text):
     assert list(check.cell_problems(0, cell(source, text)))

@@ -35,7 +35,8 @@ What does not compose, and raises instead of answering wrongly (chapter 7's supp
   and what to do (run that transform eagerly; compiled single-level transforms work);
 - forward-over-forward (``jvp`` of ``jvp``, ``jacfwd(jacfwd(f))``), eager or compiled: torch does
   not differentiate an ``autograd.Function``'s ``jvp`` staticmethod at an outer forward level (it
-  returns a silently wrong second derivative, for ``torch.linalg.solve`` as well), so the op raises
+  returns a silently wrong second derivative, for ``torch.linalg.solve`` as well; pytorch
+  issue 197867), so the op raises
   and points to ``hessian`` / ``jacfwd(jacrev(f))``, which work eagerly;
 - double backward (``create_graph=True``) through a compiled function: torch's AOTAutograd
   raises its own error ("does not currently support double backward").
