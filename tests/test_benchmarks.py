@@ -5,7 +5,7 @@ import json
 import pytest
 import torch
 
-from tridiag_tutorial import benchmarks, lapack, tridiagonal_solve
+from tridiag_tutorial import benchmarks, lapack
 
 
 @pytest.fixture(scope="module")
@@ -27,19 +27,26 @@ def test_quick_benchmark_runs_and_writes_json(quick):
     assert saved["targets"] and all(t["ratio"] is not None for t in saved["targets"])
 
 
-def test_quick_factor_reuse_experiment_reports_both_strategies_and_the_policy(quick):
-    rows = quick[1]["factor_reuse"]
-    assert {r["kernel"] for r in rows} == {"LAPACK", "pure-torch kernel"}
-    assert {r["dtype"] for r in rows} == {"float64", "complex128"}
+def test_quick_time_stepping_experiment_reports_both_strategies(quick):
+    rows = quick[1]["time_stepping"]
+    assert {(r["kernel"], r["batch"], r["mode"]) for r in rows} == {
+        (kernel, batch, mode) for kernel, batch in
+        [("LAPACK", 0), ("LAPACK", 16), ("pure-torch kernel", 4)]
+        for mode in ("forward", "backward")}
     for r in rows:
-        assert r["reuse_seconds"] > 0 and r["twice_seconds"] > 0
-        assert r["ratio"] == r["reuse_seconds"] / r["twice_seconds"]
-    policy = {(r["kernel"], r["dtype"], r["batch"], r["k"]): r["policy_reuses"] for r in rows}
-    # the op's measured policy: the torch kernel reuses the factors, LAPACK solves again
-    assert policy == {("LAPACK", "float64", 0, 1): False, ("LAPACK", "float64", 16, 2): False,
-                      ("LAPACK", "complex128", 0, 1): False, ("LAPACK", "complex128", 16, 2): False,
-                      ("pure-torch kernel", "float64", 16, 1): True,
-                      ("pure-torch kernel", "complex128", 16, 1): True}
+        assert r["factor_once_seconds"] > 0 and r["every_step_seconds"] > 0
+        assert r["ratio"] == r["factor_once_seconds"] / r["every_step_seconds"]
+
+
+def test_merge_keeps_keys_the_suite_no_longer_produces(tmp_path):
+    """Committed measurements of an earlier suite (factor_reuse) survive a --merge re-run."""
+    old = tmp_path / "old.json"
+    old.write_text(json.dumps({"results": [], "factor_reuse": [{"ratio": 1.25}]}))
+    out = tmp_path / "new.json"
+    benchmarks.main(["--quick", "--no-compile", "--steps-only", "--merge", str(old),
+                     "--out", str(out)])
+    saved = json.loads(out.read_text())
+    assert saved["factor_reuse"] == [{"ratio": 1.25}] and saved["time_stepping"]
 
 
 def test_pure_torch_kernel_cases_run_no_lapack_forward_or_backward(monkeypatch):
@@ -47,13 +54,13 @@ def test_pure_torch_kernel_cases_run_no_lapack_forward_or_backward(monkeypatch):
     def refuse(*args, **kwargs):
         raise AssertionError("LAPACK was called in a pure-torch kernel case")
 
-    for name in ("solve", "factor_solve", "lu_solve"):
+    for name in ("solve", "factor", "factor_solve"):
         monkeypatch.setattr(lapack, name, refuse)
     args = benchmarks._problem(8, 4, torch.float64)
     kernel = "pure-torch kernel"
     for mode in ("forward", "backward"):
         benchmarks._torch_callable(benchmarks.TORCH_IMPLS[kernel], args, mode,
                                    benchmarks.CONTEXTS[kernel])()
-    for reuse in (True, False):
-        benchmarks._torch_callable(tridiagonal_solve, args, "backward",
-                                   benchmarks._strategy(kernel, reuse))()
+    for once in (True, False):
+        for mode in ("forward", "backward"):
+            benchmarks._stepper(8, 4, torch.float64, 2, once, mode, kernel)()

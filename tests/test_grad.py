@@ -7,7 +7,7 @@ from torch.autograd import gradcheck, gradgradcheck
 from tridiag_tutorial import dense_solve, tridiagonal_solve
 from tridiag_tutorial.autograd_function import tridiagonal_solve_function
 from tridiag_tutorial.custom_op import tridiagonal_solve_custom_op, tridiagonal_solve_op
-from tridiag_tutorial.ops import _factor_solve_op
+from tridiag_tutorial.ops import _factor_op, _kernel_op, _factors
 
 from conftest import assert_close, kernel_context, make_system
 
@@ -101,12 +101,18 @@ def test_opcheck_strided_rhs():
 
 
 @pytest.mark.parametrize("kernel", ["lapack", "torch"])
+@pytest.mark.parametrize("factors, trans", [(False, "N"), (True, "N"), (True, "T"), (True, "C")],
+                         ids=["bands", "factors-N", "factors-T", "factors-C"])
 @pytest.mark.parametrize("strided", [False, True], ids=["contiguous", "transposed-rhs"])
-def test_opcheck_factor_solve_op(kernel, strided):
-    """The op that keeps LU factors: schema, fake kernel (shapes and strides of x and lu), AOT."""
-    lower, diag, upper, rhs = make_system(5, (2,), 3, seed=11)
+def test_opcheck_kernel_ops(kernel, factors, trans, strided):
+    """The compiled path's ops: schema, fake kernels (shapes, dtypes, strides), vmap, AOT."""
+    lower, diag, upper, rhs = make_system(5, (2,), 3, dtype=torch.complex128, seed=11)
     if strided:
         rhs = rhs.mT.contiguous().mT
-    with kernel_context(kernel):
-        result = torch.library.opcheck(_factor_solve_op, (lower, diag, upper, rhs))
+    torch_kernel = kernel == "torch"
+    result = torch.library.opcheck(_factor_op, (lower, diag, upper, torch_kernel))
+    assert set(result.values()) == {"SUCCESS"}, result
+    lu, pivots = _factors(lower, diag, upper, torch_kernel) if factors else (None, None)
+    result = torch.library.opcheck(
+        _kernel_op, (lower, diag, upper, rhs, lu, pivots, trans, torch_kernel))
     assert set(result.values()) == {"SUCCESS"}, result

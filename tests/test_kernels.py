@@ -1,13 +1,13 @@
-"""The kernels: joined-batch LAPACK, LU factor reuse, the pure-torch kernel, singular/non-finite."""
+"""The kernels: joined-batch LAPACK, LU factors, the pure-torch kernel, singular/non-finite."""
 
 import numpy as np
 import pytest
 import torch
 from torch.autograd import gradcheck, gradgradcheck
 
-from tridiag_tutorial import dense_solve, lapack, ops, torch_kernel, tridiagonal_solve
+from tridiag_tutorial import (dense_solve, lapack, torch_kernel, tridiagonal_lu_factor,
+                              tridiagonal_lu_solve, tridiagonal_solve)
 from tridiag_tutorial.custom_op import torch_kernel_on_cpu
-from tridiag_tutorial.ops import _factor_reuse
 
 from conftest import (ALL_DTYPES, assert_close, assert_grads_match_dense, kernel_context,
                       make_system)
@@ -32,26 +32,44 @@ def test_joined_batch_equals_one_call_per_system():
 @pytest.mark.parametrize("dtype", ALL_DTYPES, ids=str)
 @pytest.mark.parametrize("n", [1, 2, 3, 6])
 @pytest.mark.parametrize("trans", ["N", "T", "C"])
-def test_lu_factors_reused_for_every_transpose(dtype, n, trans):
+def test_lu_factors_solve_every_transpose(dtype, n, trans):
+    """LAPACK's batched factors solve with A, A^T and A^H, on both kernels' solves."""
     lower, diag, upper, rhs = make_system(n, (3,), 2, dtype=dtype, seed=n)
-    x, lu = lapack.factor_solve(*numpy_args(lower, diag, upper, rhs))
-    assert_close(torch.from_numpy(x), dense_solve(lower, diag, upper, rhs))
+    lu, pivots = lapack.factor(*numpy_args(lower, diag, upper))
+    assert lu.shape == (3, 4, n) and pivots.shape == (3, n) and pivots.dtype == np.int32
     a = {"N": (lower, diag, upper), "T": (upper, diag, lower),
          "C": (upper.conj(), diag.conj(), lower.conj())}[trans]
-    y = lapack.lu_solve(lu, rhs.numpy(), trans)
+    y = lapack.factor_solve(lu, pivots, rhs.numpy(), trans)
     assert_close(torch.from_numpy(y), dense_solve(*a, rhs))
-    assert_close(torch_kernel.lu_solve(torch.from_numpy(lu), rhs, trans), dense_solve(*a, rhs))
+    lu_t, pivots_t = torch.from_numpy(lu), torch.from_numpy(pivots)
+    assert_close(torch_kernel.lu_solve(lu_t, pivots_t, rhs, trans), dense_solve(*a, rhs))
+
+
+def test_batched_factors_equal_one_call_per_system():
+    """gttrf on the joined system gives each system's own factors and 1-based pivots."""
+    lower, diag, upper, _ = make_system(7, (2, 3), seed=2)
+    diag[0, 1, 0] = 0.0  # forces a row interchange
+    lu, pivots = lapack.factor(*numpy_args(lower, diag, upper))
+    for i, j in np.ndindex(2, 3):
+        f = lapack.gttrf(*(t[i, j].numpy() for t in (lower, diag, upper)))
+        np.testing.assert_array_equal(lu[i, j, 0, :6], f.dl)
+        np.testing.assert_array_equal(lu[i, j, 1], f.d)
+        np.testing.assert_array_equal(lu[i, j, 2, :6], f.du)
+        np.testing.assert_array_equal(lu[i, j, 3, :5], f.du2)
+        np.testing.assert_array_equal(pivots[i, j], f.ipiv)
+    assert pivots[0, 1, 0] == 2  # the interchange is recorded, relative to its own system
 
 
 @pytest.mark.parametrize("n", [1, 2, 3, 10])
 def test_torch_kernel_factors_equal_lapack_factors(n):
-    """Same algorithm, same pivots: on real inputs the packed factors agree bit for bit."""
-    lower, diag, upper, rhs = make_system(n, (4,), 2, seed=20 + n)
+    """Same algorithm, same pivots: on real inputs the factors agree bit for bit."""
+    lower, diag, upper, _ = make_system(n, (4,), 2, seed=20 + n)
     if n > 1:
         diag[:, 0] = 0.0
-    _, lu = lapack.factor_solve(*numpy_args(lower, diag, upper, rhs))
-    torch.testing.assert_close(torch_kernel.factor(lower, diag, upper), torch.from_numpy(lu),
-                               rtol=0, atol=0)
+    lu, pivots = lapack.factor(*numpy_args(lower, diag, upper))
+    lu_t, pivots_t = torch_kernel.factor(lower, diag, upper)
+    torch.testing.assert_close(lu_t, torch.from_numpy(lu), rtol=0, atol=0)
+    torch.testing.assert_close(pivots_t, torch.from_numpy(pivots), rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("dtype", ALL_DTYPES, ids=str)
@@ -84,16 +102,19 @@ def test_torch_kernel_needs_no_diagonal_dominance():
 
 
 @pytest.mark.parametrize("kernel", ["lapack", "torch"])
-@pytest.mark.parametrize("path", ["forward", "solve-path", "factor-path"])
+@pytest.mark.parametrize("path", ["forward", "with-grad", "lu_factor"])
 def test_singular_error_is_the_same_on_every_kernel(kernel, path):
     lower, diag, upper, rhs = make_system(4, (2, 3), seed=31)
     diag[1, 0, 2], lower[1, 0, 2], upper[1, 0, 1] = 0.0, 0.0, 0.0  # column 2 of system (1, 0)
-    if path != "forward":
+    if path == "with-grad":  # the torch kernel then factors first, for the backward
         diag.requires_grad_()
     expected = r"singular: pivot U\[2, 2\] is exactly zero, in batch element \(1, 0\)$"
     with pytest.raises(torch.linalg.LinAlgError, match=expected):
-        with _factor_reuse(path == "factor-path"), kernel_context(kernel):
-            tridiagonal_solve(lower, diag, upper, rhs)
+        with kernel_context(kernel):
+            if path == "lu_factor":
+                tridiagonal_lu_factor(lower, diag, upper)
+            else:
+                tridiagonal_solve(lower, diag, upper, rhs)
 
 
 @pytest.mark.parametrize("kernel", ["lapack", "torch"])
@@ -114,55 +135,38 @@ def squared_norm(x):
 
 
 def count_calls(monkeypatch, module, names):
-    """Record, in order, the calls to ``module.<name>`` (with ``trans`` for ``lu_solve``)."""
+    """Record, in order, the calls to ``module.<name>`` (with ``trans`` for the solves with
+    factors, ``factor_solve`` and ``lu_solve``)."""
     calls = []
     for name in names:
         original = getattr(module, name)
 
         def counting(*a, _f=original, _n=name, **k):
-            trans = k.get("trans", a[2] if len(a) > 2 else "N")
-            calls.append(f"{_n}({trans})" if _n == "lu_solve" else _n)
+            if _n in ("factor_solve", "lu_solve"):
+                calls.append(f"{_n}({k.get('trans', a[3] if len(a) > 3 else 'N')})")
+            else:
+                calls.append(_n)
             return _f(*a, **k)
 
         monkeypatch.setattr(module, name, counting)
     return calls
 
 
-LAPACK_ENTRY_POINTS = ("solve", "factor_solve", "lu_solve")
+LAPACK_ENTRY_POINTS = ("solve", "factor", "factor_solve")
 
 
 @pytest.mark.parametrize(
-    "dtype, n, batch, k, reuses",
-    [(torch.float64, 6, (), None, False),  # real: ?gtsv twice measured as fast, and holds no memory
-     (torch.float64, 6, (3,), 2, False),  # batches and several columns: reuse measured slower
-     (torch.complex128, 5, (), None, False),  # one complex system, below the threshold
-     (torch.complex128, 6, (), None, True),  # one complex system from the threshold on: reuse
-     (torch.complex128, 6, (), 2, False),
-     (torch.complex128, 6, (3,), None, False)],
-    ids=["real", "real-batch", "complex-small", "complex-large", "complex-k", "complex-batch"])
-def test_lapack_backward_reuses_factors_only_where_measured_faster(monkeypatch, dtype, n, batch,
-                                                                   k, reuses):
-    monkeypatch.setattr(ops, "_LAPACK_REUSE_MIN_N", 6)  # the rule at small sizes
+    "dtype, n, batch, k",
+    [(torch.float64, 6, (), None), (torch.float64, 6, (3,), 2),
+     (torch.complex128, 6, (), None), (torch.complex128, 6, (3,), 2)],
+    ids=["real", "real-batch", "complex", "complex-batch"])
+def test_lapack_backward_solves_again_with_the_adjoint(monkeypatch, dtype, n, batch, k):
+    """With LAPACK, ?gtsv factors and solves in one sweep: the backward calls it on A^H."""
     calls = count_calls(monkeypatch, lapack, LAPACK_ENTRY_POINTS)
     args = make_system(n, batch, k, dtype=dtype, requires_grad=True, seed=33)
     grads = torch.autograd.grad(squared_norm(tridiagonal_solve(*args)), args)
-    trans = "C" if dtype.is_complex else "T"
-    assert calls == (["factor_solve", f"lu_solve({trans})"] if reuses else ["solve", "solve"])
+    assert calls == ["solve", "solve"]
     assert_grads_match_dense(grads, args, squared_norm, dtype)
-    calls.clear()
-    with torch.no_grad():
-        tridiagonal_solve(*args)
-    assert calls == ["solve"]  # no factors kept when no backward can follow
-
-
-@pytest.mark.parametrize("n, reuses", [(10**5 - 1, False), (10**5, True)])
-def test_lapack_reuse_threshold_for_one_complex_system(monkeypatch, n, reuses):
-    """The measured crossover: reuse was faster from n = 1e5 on (benchmarks, chapter 9)."""
-    calls = count_calls(monkeypatch, lapack, LAPACK_ENTRY_POINTS)
-    lower, diag, upper, rhs = make_system(n, dtype=torch.complex128, seed=39)
-    rhs.requires_grad_()
-    tridiagonal_solve(lower, diag, upper, rhs).abs().sum().backward()
-    assert calls == (["factor_solve", "lu_solve(C)"] if reuses else ["solve", "solve"])
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.complex128], ids=str)
@@ -172,41 +176,42 @@ def test_torch_kernel_backward_reuses_the_forward_factors(monkeypatch, dtype):
     args = make_system(6, (2,), 2, dtype=dtype, requires_grad=True, seed=34)
     with torch_kernel_on_cpu():
         grads = torch.autograd.grad(squared_norm(tridiagonal_solve(*args)), args)
-    assert calls == ["factor", "lu_solve(N)", f"lu_solve({'C' if dtype.is_complex else 'T'})"]
+    assert calls == ["factor", "lu_solve(N)", "lu_solve(C)"]  # A^H (A^T for real dtypes)
     assert_grads_match_dense(grads, args, squared_norm, dtype)
+    calls.clear()
+    with torch.no_grad(), torch_kernel_on_cpu():
+        tridiagonal_solve(*args)
+    assert calls == ["factor", "lu_solve(N)"]  # torch_kernel.solve: no factors kept
 
 
 @pytest.mark.parametrize("kernel", ["lapack", "torch"])
-@pytest.mark.parametrize("reuse", [False, True], ids=["solve-twice", "reuse"])
 @pytest.mark.parametrize("dtype", ALL_DTYPES, ids=str)
-def test_both_backward_strategies_match_dense(kernel, reuse, dtype):
-    """Whichever strategy the policy picks, on either kernel, gives the dense gradients."""
+def test_backward_matches_dense_on_both_kernels(kernel, dtype):
     args = make_system(7, (2, 3), 2, dtype=dtype, requires_grad=True, seed=35)
-    with _factor_reuse(reuse), kernel_context(kernel):
+    with kernel_context(kernel):
         grads = torch.autograd.grad(squared_norm(tridiagonal_solve(*args)), args)
     assert_grads_match_dense(grads, args, squared_norm, dtype)
 
 
 @pytest.mark.parametrize("kernel", ["lapack", "torch"])
-@pytest.mark.parametrize("reuse", [False, True], ids=["solve-twice", "reuse"])
-def test_direct_backward_with_broadcast_bands_and_an_expanded_gradient(kernel, reuse):
+def test_direct_backward_with_broadcast_bands_and_an_expanded_gradient(kernel):
     """x.sum() sends a stride-0 gradient; shared bands get gradients summed over the batch."""
     lower, diag, upper, _ = make_system(6, (1,), seed=37)  # one matrix for the batch of 4
     rhs = torch.randn(4, 6, dtype=torch.float64, generator=torch.Generator().manual_seed(38))
     args = [t.requires_grad_() for t in (lower, diag, upper, rhs)]
-    with _factor_reuse(reuse), kernel_context(kernel):
+    with kernel_context(kernel):
         grads = torch.autograd.grad(tridiagonal_solve(*args).sum(), args)
     assert_grads_match_dense(grads, args, torch.sum)
 
 
-@pytest.mark.parametrize("reuse", [False, True], ids=["solve-twice", "reuse"])
-def test_forced_strategy_is_what_runs(monkeypatch, reuse):
-    """The override really switches the strategy (so the test above compares two code paths)."""
+def test_lu_solve_with_factors_runs_no_factorisation(monkeypatch):
+    """Solving with factors, forward and backward, runs ?gttrs only: nothing factors again."""
+    args = make_system(6, (2,), 2, requires_grad=True, seed=39)
+    factors = tridiagonal_lu_factor(*args[:3])
     calls = count_calls(monkeypatch, lapack, LAPACK_ENTRY_POINTS)
-    args = make_system(5, (2,), dtype=torch.float32, requires_grad=True, seed=36)
-    with _factor_reuse(reuse):
-        tridiagonal_solve(*args).sum().backward()
-    assert calls == (["factor_solve", "lu_solve(T)"] if reuse else ["solve", "solve"])
+    grads = torch.autograd.grad(squared_norm(tridiagonal_lu_solve(factors, args[3])), args)
+    assert calls == ["factor_solve(N)", "factor_solve(C)"]
+    assert_grads_match_dense(grads, args, squared_norm)
 
 
 @CUDA

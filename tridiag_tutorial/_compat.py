@@ -11,12 +11,16 @@ that functorch itself uses for the same purpose (``torch/_functorch/autograd_fun
 from __future__ import annotations
 
 import torch
+from torch._C import _functorch
 from torch._C._functorch import TransformType
+from torch.autograd import forward_ad
 from torch._functorch.pyfunctorch import retrieve_all_functorch_interpreters
 from torch._functorch.utils import enable_single_level_autograd_function
+from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 __all__ = ["SingleLevelFunction", "enable_single_level_autograd_function",
-           "forward_transform_depth", "differentiation_depth"]
+           "forward_transform_depth", "differentiation_depth", "mode_active", "transform_active",
+           "forward_ad_active", "is_functorch_tensor"]
 
 #: An ``autograd.Function`` whose ``apply`` records one autograd node on the tensors it is given,
 #: at the current functorch level, without functorch's ``custom_function_call`` (which needs the
@@ -37,3 +41,27 @@ def differentiation_depth() -> int:
     ``jvp``/``jacfwd``) are active right now; ``vmap`` levels do not count."""
     return sum(i.key() in (TransformType.Grad, TransformType.Jvp)
                for i in retrieve_all_functorch_interpreters())
+
+
+# The fast path's checks (ops._direct, ops._unobserved): is anything but the result watching?
+def mode_active() -> bool:
+    """A ``TorchDispatchMode`` (FakeTensorMode, FlopCounterMode, ...) or a ``TorchFunctionMode``
+    is installed: the call must go through the dispatcher so that the mode sees it."""
+    return _get_current_dispatch_mode() is not None or torch._C._is_torch_function_mode_enabled()
+
+
+def transform_active() -> bool:
+    """Some ``torch.func`` transform (``grad``, ``vmap``, ``jvp``, ...) is running."""
+    return _functorch.peek_interpreter_stack() is not None
+
+
+def forward_ad_active() -> bool:
+    """A ``torch.autograd.forward_ad.dual_level`` is entered: dual tensors may carry tangents."""
+    return forward_ad._current_level >= 0
+
+
+def is_functorch_tensor(t: torch.Tensor) -> bool:
+    """``t`` is a functorch wrapper (a transform's tensor, a vmap ``BatchedTensor``, or the
+    legacy batched tensor of ``gradcheck``'s batched checks), not plain data."""
+    return (_functorch.is_functorch_wrapped_tensor(t) or _functorch.is_batchedtensor(t)
+            or _functorch.is_legacy_batchedtensor(t))

@@ -25,7 +25,7 @@ from typing import NamedTuple
 
 import torch
 
-__all__ = ["SUPPORTED_DTYPES", "Problem", "validate"]
+__all__ = ["SUPPORTED_DTYPES", "Problem", "validate", "validate_bands"]
 
 SUPPORTED_DTYPES = (torch.float32, torch.float64, torch.complex64, torch.complex128)
 _NAMES = ("lower", "diag", "upper", "rhs")
@@ -39,8 +39,6 @@ class Problem(NamedTuple):
     upper: torch.Tensor  # (*batch, n-1)
     rhs: torch.Tensor  # (*batch, n, k): always a matrix
     vector_rhs: bool  # True when the caller gave (..., n): the result drops the k axis again
-    batch_shape: torch.Size
-    n: int
 
 
 def _describe(tensors) -> str:
@@ -60,6 +58,59 @@ def validate(lower, diag, upper, rhs, *, name: str = "tridiagonal_solve") -> Pro
             broadcast.
     """
     tensors = (lower, diag, upper, rhs)
+    n = _check(tensors, name)
+    if rhs.ndim == diag.ndim:
+        vector_rhs = True
+        rhs_batch, rhs_n = rhs.shape[:-1], rhs.shape[-1]
+    elif rhs.ndim == diag.ndim + 1:
+        vector_rhs = False
+        rhs_batch, rhs_n = rhs.shape[:-2], rhs.shape[-2]
+    else:
+        raise ValueError(
+            f"{name}: rhs must have diag.ndim = {diag.ndim} dimensions (one vector per system) or "
+            f"diag.ndim + 1 = {diag.ndim + 1} (a matrix (n, k) per system); got {_describe(tensors)}"
+        )
+    if rhs_n != n:
+        where = "last" if vector_rhs else "second-to-last"
+        raise ValueError(
+            f"{name}: rhs must have n = {n} rows (its {where} dimension); got {_describe(tensors)}"
+        )
+
+    batches = (lower.shape[:-1], diag.shape[:-1], upper.shape[:-1], rhs_batch)
+    if batches[0] == batches[1] == batches[2] == batches[3]:  # the common case, and fast
+        batch = batches[0]
+    else:
+        try:
+            batch = torch.broadcast_shapes(*batches)
+        except RuntimeError:
+            raise ValueError(
+                f"{name}: the batch dimensions do not broadcast: {_describe(tensors)}"
+            ) from None
+        lower, diag, upper = (t.expand(*batch, t.shape[-1]) for t in (lower, diag, upper))
+        rhs = rhs.expand(*batch, *rhs.shape[len(rhs_batch):])
+
+    return Problem(lower, diag, upper, rhs.unsqueeze(-1) if vector_rhs else rhs, vector_rhs)
+
+
+def validate_bands(lower, diag, upper, *, name: str):
+    """:func:`validate` for a matrix alone: the same checks, and the three bands broadcast to one
+    batch shape (views)."""
+    tensors = (lower, diag, upper)
+    _check(tensors, name)
+    batches = (lower.shape[:-1], diag.shape[:-1], upper.shape[:-1])
+    if batches[0] == batches[1] == batches[2]:
+        return tensors
+    try:
+        batch = torch.broadcast_shapes(*batches)
+    except RuntimeError:
+        raise ValueError(f"{name}: the batch dimensions do not broadcast: {_describe(tensors)}"
+                         ) from None
+    return tuple(t.expand(*batch, t.shape[-1]) for t in tensors)
+
+
+def _check(tensors, name: str) -> int:
+    """The checks that do not involve ``rhs``'s shape; returns ``n``."""
+    lower, diag, upper = tensors[:3]
     for arg, t in zip(_NAMES, tensors):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name}: {arg} must be a torch.Tensor, got {type(t).__name__}")
@@ -94,36 +145,5 @@ def validate(lower, diag, upper, rhs, *, name: str = "tridiagonal_solve") -> Pro
             f"{name}: with n = diag.shape[-1] = {n}, lower and upper must have n-1 = {n - 1} "
             f"entries in their last dimension; got {_describe(tensors)}"
         )
+    return n
 
-    if rhs.ndim == diag.ndim:
-        vector_rhs = True
-        rhs_batch, rhs_n = rhs.shape[:-1], rhs.shape[-1]
-    elif rhs.ndim == diag.ndim + 1:
-        vector_rhs = False
-        rhs_batch, rhs_n = rhs.shape[:-2], rhs.shape[-2]
-    else:
-        raise ValueError(
-            f"{name}: rhs must have diag.ndim = {diag.ndim} dimensions (one vector per system) or "
-            f"diag.ndim + 1 = {diag.ndim + 1} (a matrix (n, k) per system); got {_describe(tensors)}"
-        )
-    if rhs_n != n:
-        where = "last" if vector_rhs else "second-to-last"
-        raise ValueError(
-            f"{name}: rhs must have n = {n} rows (its {where} dimension); got {_describe(tensors)}"
-        )
-
-    batches = (lower.shape[:-1], diag.shape[:-1], upper.shape[:-1], rhs_batch)
-    if batches[0] == batches[1] == batches[2] == batches[3]:  # the common case, and fast
-        batch = batches[0]
-    else:
-        try:
-            batch = torch.broadcast_shapes(*batches)
-        except RuntimeError:
-            raise ValueError(
-                f"{name}: the batch dimensions do not broadcast: {_describe(tensors)}"
-            ) from None
-        lower, diag, upper = (t.expand(*batch, t.shape[-1]) for t in (lower, diag, upper))
-        rhs = rhs.expand(*batch, *rhs.shape[len(rhs_batch):])
-
-    return Problem(lower, diag, upper, rhs.unsqueeze(-1) if vector_rhs else rhs,
-                   vector_rhs, batch, n)

@@ -18,10 +18,14 @@ assembling the matrix), the pure-torch kernel (:mod:`tridiag_tutorial.torch_kern
 Modes: ``forward`` and ``backward`` (forward plus the gradients of all four inputs), eager and
 ``torch.compile(fullgraph=True)``.
 
-The factor-reuse experiment (:func:`run_factor_reuse`, skipped with ``--no-reuse``) times forward +
-backward of the final op twice over, once keeping the LU factors for the backward and once solving
-again, on LAPACK and on the pure-torch kernel, for real and complex dtypes; it is the measurement
-behind the op's choice of when to keep factors.
+The time-stepping experiment (:func:`run_time_stepping`, skipped with ``--no-steps``, alone with
+``--steps-only``) times an implicit simulation with one fixed matrix, ``u <- A^{-1} u`` for many
+steps, forward and forward + backward, solving every step with
+:func:`~tridiag_tutorial.tridiagonal_solve` against factoring once with
+:func:`~tridiag_tutorial.tridiagonal_lu_factor` and solving with
+:func:`~tridiag_tutorial.tridiagonal_lu_solve`.
+With ``--merge``, keys of the merged file that this run does not produce (such as ``factor_reuse``,
+the measurements of an earlier op that could keep LAPACK's factors for its backward) are kept.
 """
 
 from __future__ import annotations
@@ -46,10 +50,10 @@ from . import ops
 from ._validation import validate
 from .autograd_function import tridiagonal_solve_function
 from .custom_op import torch_kernel_on_cpu, tridiagonal_solve_custom_op
-from .ops import tridiagonal_solve
+from .ops import tridiagonal_lu_factor, tridiagonal_lu_solve, tridiagonal_solve
 from .reference import dense_solve
 
-__all__ = ["run", "run_factor_reuse", "evaluate_targets", "main"]
+__all__ = ["run", "run_time_stepping", "evaluate_targets", "main"]
 
 SINGLE_SIZES = [10**2, 10**3, 10**4, 10**5, 10**6]
 BATCHES = [(1024, 256), (16384, 64), (100000, 8)]
@@ -235,39 +239,44 @@ def run(sizes=SINGLE_SIZES, batches=BATCHES, dtypes=(torch.float32, torch.float6
     return [asdict(r) for r in results]
 
 
-# The factor-reuse experiment: forward + backward with LU factors kept for the backward against
-# solving twice, on both kernels; the data behind ops._keeps_factors.
-REUSE_CASES = {  # kernel -> (n, batch, k) with k = None for a vector right-hand side
-    "LAPACK": [(1000, 0, None), (10**4, 0, None), (10**5, 0, None), (10**6, 0, None),
-               (10**5, 0, 8), (256, 1024, None), (64, 16384, None)],
-    "pure-torch kernel": [(1000, 0, None), (256, 1024, None), (64, 16384, None)],
+# The time-stepping experiment: one fixed matrix, many solves; factoring once against solving
+# from the bands every step (the application chapter renders it).
+STEP_CASES = {  # kernel -> (n, batch)
+    "LAPACK": [(1000, 0), (10**5, 0), (256, 64)],
+    "pure-torch kernel": [(32, 256)],
 }
-REUSE_DTYPES = (torch.float32, torch.float64, torch.complex64, torch.complex128)
+STEPS = 20
 
 
-def _strategy(kernel: str, reuse: bool):
-    """The context for one strategy on one kernel (for forward and backward alike)."""
-    @contextmanager
-    def context():
-        with ops._factor_reuse(reuse), CONTEXTS.get(kernel, nullcontext)():
-            yield
-    return context
+def _stepper(n: int, batch: int, dtype, steps: int, factor_once: bool, mode: str, kernel: str):
+    """One simulation of ``steps`` implicit steps; the bands and the initial state require grad
+    in ``backward`` mode, whose loss is the sum of the last state."""
+    lower, diag, upper, u0 = _problem(n, batch, dtype)
+    context = CONTEXTS.get(kernel, nullcontext)
+    args = [t.detach().requires_grad_(mode == "backward") for t in (lower, diag, upper, u0)]
+
+    def simulate():
+        with context():
+            lower, diag, upper, u = args
+            if factor_once:
+                factors = tridiagonal_lu_factor(lower, diag, upper)
+                for _ in range(steps):
+                    u = tridiagonal_lu_solve(factors, u)
+            else:
+                for _ in range(steps):
+                    u = tridiagonal_solve(lower, diag, upper, u)
+            if mode == "backward":
+                torch.autograd.grad(u.sum(), args)
+    return simulate
 
 
-def _policy(kernel: str, args) -> bool:
-    """What the final op decides for these inputs (with no override)."""
-    with CONTEXTS.get(kernel, nullcontext)():
-        p = validate(*args)
-        return ops._keeps_factors(p.rhs)
+def run_time_stepping(cases=STEP_CASES, steps=STEPS, dtypes=(torch.float64,), threads=(1,),
+                      min_time=0.2, repeats=7, log=print):
+    """Time ``steps`` implicit steps, factoring once against solving every step.
 
-
-def run_factor_reuse(cases=REUSE_CASES, dtypes=REUSE_DTYPES, threads=(1, None), min_time=0.2,
-                     repeats=7, log=print):
-    """Time forward + backward (all four gradients) with each backward strategy, for each case.
-
-    Each strategy is timed twice, in the order reuse, twice, twice, reuse, and keeps the smaller
-    of its two medians, so a slow drift of the machine favours neither. Returns a list of dicts
-    with both times, ``ratio`` = reuse / twice, and ``policy_reuses``: what the final op chooses.
+    Each strategy is timed twice, in the order once, every, every, once, and keeps the smaller of
+    its two medians, so a slow drift of the machine favours neither. Returns a list of dicts with
+    both times and ``ratio`` = factor once / solve every step.
     """
     rows = []
     default_threads = torch.get_num_threads()
@@ -276,23 +285,23 @@ def run_factor_reuse(cases=REUSE_CASES, dtypes=REUSE_DTYPES, threads=(1, None), 
         actual_threads = torch.get_num_threads()
         for kernel, shapes in cases.items():
             for dtype in dtypes:
-                for n, batch, k in shapes:
-                    args = _problem(n, batch, dtype, k=k)
-                    fns = {reuse: _torch_callable(tridiagonal_solve, args, "backward",
-                                                  _strategy(kernel, reuse))
-                           for reuse in (True, False)}
-                    best = {}
-                    for reuse in (True, False, False, True):
-                        seconds, _ = _time(fns[reuse], min_time, repeats)
-                        best[reuse] = min(best.get(reuse, seconds), seconds)
-                    row = dict(kernel=kernel, dtype=str(dtype).replace("torch.", ""),
-                               threads=actual_threads, n=n, batch=batch, k=k or 1,
-                               reuse_seconds=best[True], twice_seconds=best[False],
-                               ratio=best[True] / best[False], policy_reuses=_policy(kernel, args))
-                    rows.append(row)
-                    log(f"  reuse  {kernel:17s} {row['dtype']:10s} threads={actual_threads} "
-                        f"n={n:>7d} batch={batch:>6d} k={k or 1}: reuse {best[True] * 1e6:10.1f} us,"
-                        f" twice {best[False] * 1e6:10.1f} us, ratio {row['ratio']:.3f}")
+                for n, batch in shapes:
+                    for mode in ("forward", "backward"):
+                        fns = {once: _stepper(n, batch, dtype, steps, once, mode, kernel)
+                               for once in (True, False)}
+                        best = {}
+                        for once in (True, False, False, True):
+                            seconds, _ = _time(fns[once], min_time, repeats)
+                            best[once] = min(best.get(once, seconds), seconds)
+                        row = dict(kernel=kernel, dtype=str(dtype).replace("torch.", ""),
+                                   threads=actual_threads, n=n, batch=batch, steps=steps,
+                                   mode=mode, factor_once_seconds=best[True],
+                                   every_step_seconds=best[False], ratio=best[True] / best[False])
+                        rows.append(row)
+                        log(f"  steps  {kernel:17s} {row['dtype']:8s} threads={actual_threads} "
+                            f"n={n:>7d} batch={batch:>5d} {mode:8s}: factor once "
+                            f"{best[True] * 1e3:9.2f} ms, every step {best[False] * 1e3:9.2f} ms, "
+                            f"ratio {row['ratio']:.3f}")
     torch.set_num_threads(default_threads)
     return rows
 
@@ -390,15 +399,15 @@ def format_table(results, targets) -> str:
     return "\n".join(lines)
 
 
-def format_reuse_table(rows) -> str:
-    lines = ["Factor reuse: forward + backward, LU factors kept / solving twice (< 1: reuse is faster)",
-             f"{'kernel':17s} {'dtype':10s} {'thr':>3s} {'n':>8s} {'batch':>6s} {'k':>2s} "
-             f"{'reuse':>12s} {'twice':>12s} {'ratio':>6s}  final op"]
+def format_steps_table(rows) -> str:
+    lines = ["Time stepping: factor once / solve every step (< 1: factoring once is faster)",
+             f"{'kernel':17s} {'dtype':8s} {'thr':>3s} {'n':>7s} {'batch':>5s} {'steps':>5s} "
+             f"{'mode':8s} {'once':>10s} {'every':>10s} {'ratio':>6s}"]
     for r in rows:
-        lines.append(f"{r['kernel']:17s} {r['dtype']:10s} {r['threads']:>3d} {r['n']:>8d} "
-                     f"{r['batch']:>6d} {r['k']:>2d} {r['reuse_seconds'] * 1e6:10.1f}us "
-                     f"{r['twice_seconds'] * 1e6:10.1f}us {r['ratio']:6.3f}  "
-                     f"{'reuses' if r['policy_reuses'] else 'solves twice'}")
+        lines.append(f"{r['kernel']:17s} {r['dtype']:8s} {r['threads']:>3d} {r['n']:>7d} "
+                     f"{r['batch']:>5d} {r['steps']:>5d} {r['mode']:8s} "
+                     f"{r['factor_once_seconds'] * 1e3:8.2f}ms {r['every_step_seconds'] * 1e3:8.2f}ms "
+                     f"{r['ratio']:6.3f}")
     return "\n".join(lines)
 
 
@@ -412,46 +421,47 @@ def main(argv=None):
     parser.add_argument("--threads", default="1,default",
                         help="comma-separated thread counts; 'default' is torch's default")
     parser.add_argument("--merge", help="a previous results JSON whose results come first")
-    parser.add_argument("--no-reuse", action="store_true",
-                        help="skip the factor-reuse experiment (run_factor_reuse)")
-    parser.add_argument("--reuse-only", action="store_true",
-                        help="run only the factor-reuse experiment; with --merge, keep the merged "
-                             "file's other results and replace its factor-reuse rows")
+    parser.add_argument("--no-steps", action="store_true",
+                        help="skip the time-stepping experiment (run_time_stepping)")
+    parser.add_argument("--steps-only", action="store_true",
+                        help="run only the time-stepping experiment; with --merge, keep the merged "
+                             "file's other results and replace its time-stepping rows")
     opts = parser.parse_args(argv)
     if opts.quick:
         config = dict(sizes=[8, 100], batches=[(16, 8)], dtypes=(torch.float64,), threads=(1,),
                       min_time=0.001, repeats=3)
-        reuse_config = dict(cases={"LAPACK": [(8, 0, None), (8, 16, 2)],
-                                   "pure-torch kernel": [(8, 16, None)]},
-                            dtypes=(torch.float64, torch.complex128), threads=(1,),
-                            min_time=0.001, repeats=3)
+        steps_config = dict(cases={"LAPACK": [(8, 0), (8, 16)], "pure-torch kernel": [(8, 4)]},
+                            steps=3, threads=(1,), min_time=0.001, repeats=3)
     else:
         threads = tuple(None if t == "default" else int(t) for t in opts.threads.split(","))
         config = dict(min_time=opts.min_time, repeats=opts.repeats, threads=threads)
-        reuse_config = dict(config)
-    earlier = {"results": [], "factor_reuse": []}
+        steps_config = dict(min_time=opts.min_time, repeats=opts.repeats, threads=threads)
+    earlier = {"results": [], "time_stepping": []}
+    kept = {}  # the merged file's keys that this suite no longer produces
     if opts.merge:
         with open(opts.merge) as f:
             merged = json.load(f)
         earlier = {key: merged.get(key, []) for key in earlier}
-        if opts.reuse_only:
-            earlier["factor_reuse"] = []
+        kept = {k: v for k, v in merged.items()
+                if k not in earlier and k not in ("machine", "config", "targets")}
+        if opts.steps_only:
+            earlier["time_stepping"] = []
 
-    def write(results, reuse=()):
+    def write(results, steps=()):
         results = earlier["results"] + results
         report = {"machine": machine_info(), "config": {k: str(v) for k, v in config.items()},
                   "results": results, "targets": evaluate_targets(results),
-                  "factor_reuse": earlier["factor_reuse"] + list(reuse)}
+                  "time_stepping": earlier["time_stepping"] + list(steps), **kept}
         with open(opts.out, "w") as f:
             json.dump(report, f, indent=1)
         return report
 
-    results = [] if opts.reuse_only else run(compile=not opts.no_compile, progress=write, **config)
-    reuse = [] if opts.no_reuse else run_factor_reuse(**reuse_config)
-    report = write(results, reuse)
+    results = [] if opts.steps_only else run(compile=not opts.no_compile, progress=write, **config)
+    steps = [] if opts.no_steps else run_time_stepping(**steps_config)
+    report = write(results, steps)
     print(format_table(report["results"], report["targets"]))
-    if report["factor_reuse"]:
-        print("\n" + format_reuse_table(report["factor_reuse"]))
+    if report["time_stepping"]:
+        print("\n" + format_steps_table(report["time_stepping"]))
     print(f"\nwrote {opts.out}")
     return report
 

@@ -13,7 +13,7 @@ What this module adds to the raw wrappers:
   ``n >= 3`` for ``?gttrf``/``?gttrs``, so small systems are padded with identity rows;
 - ``info > 0`` (an exactly zero pivot) raises :class:`torch.linalg.LinAlgError` naming the pivot
   and the batch element, ``info < 0`` raises :class:`ValueError`;
-- :func:`solve` loops over any number of batch dimensions.
+- :func:`solve`, :func:`factor` and :func:`factor_solve` take any number of batch dimensions.
 
 Arrays follow the package's convention: ``lower[..., i] = A[i+1, i]``, ``diag[..., i] = A[i, i]``,
 ``upper[..., i] = A[i, i+1]``.
@@ -27,7 +27,7 @@ import numpy as np
 import torch
 from scipy.linalg import get_lapack_funcs
 
-__all__ = ["LUFactors", "gtsv", "gttrf", "gttrs", "solve", "factor_solve", "lu_solve"]
+__all__ = ["LUFactors", "gtsv", "gttrf", "gttrs", "solve", "factor", "factor_solve"]
 
 
 class LUFactors(NamedTuple):
@@ -158,20 +158,6 @@ def _join(lower, diag, upper, rhs):
     return dl, diag.reshape(-1), du, rhs.reshape(size * n, rhs.shape[-1])
 
 
-def _solve_each(lower, diag, upper, rhs, solve_one):
-    """Apply ``solve_one`` to each system of the batch; name the batch element on failure."""
-    batch = diag.shape[:-1]
-    size = int(np.prod(batch))
-    flat = [a.reshape(size, *a.shape[len(batch):]) for a in (lower, diag, upper, rhs)]
-    results = []
-    for index in range(size):
-        try:
-            results.append(solve_one(*(a[index] for a in flat)))
-        except torch.linalg.LinAlgError as err:
-            raise _element_error(err, index, batch) from None
-    return results
-
-
 def solve(lower: np.ndarray, diag: np.ndarray, upper: np.ndarray, rhs: np.ndarray) -> np.ndarray:
     """Solve a batch of systems with a single ``?gtsv`` call on the joined system (:func:`_join`).
 
@@ -227,96 +213,79 @@ def _solve_non_finite_apart(lower, diag, upper, rhs) -> np.ndarray:
     return x.reshape(rhs.shape)
 
 
-def _factor_packed(dl, d, du, size: int, n: int):
-    """Factor a joined system (:func:`_join`) with ``?gttrf`` *in place* in one packed array.
+def factor(lower: np.ndarray, diag: np.ndarray, upper: np.ndarray):
+    """Factor a batch with ``?gttrf``: bands ``(*batch, n-1)``, ``(*batch, n)``, ``(*batch, n-1)``.
 
-    The packed array is ``(5, m)``: rows ``dl``, ``d``, ``du``, ``du2`` (zero-padded) and the pivot
-    flags ``ipiv[i] - (i + 1)`` (1 where rows ``i`` and ``i + 1`` were interchanged). Flags relative
-    to each row, unlike LAPACK's absolute indices, stay valid however the systems are later sliced,
-    stacked or re-batched (``vmap``). ``m = max(size * n, 3)``: SciPy's wrapper needs 3 rows, so a
-    smaller system is padded with identity rows (see :func:`_pad`).
-
-    The bands are copied into the packed array once and factored there (``overwrite_*=1``), so
-    the caller's arrays are untouched and no other copy is made: for large n, fresh memory costs as
-    much as the factorisation itself. Returns ``(packed, factors)``, the latter viewing the former.
-    """
-    rows = size * n
-    m = max(rows, 3)
-    packed = np.empty((5, m), dtype=d.dtype)
-    packed[0, : rows - 1], packed[0, rows - 1:] = dl, 0
-    packed[1, :rows], packed[1, rows:] = d, 1
-    packed[2, : rows - 1], packed[2, rows - 1:] = du, 0
-    (routine,) = get_lapack_funcs(("gttrf",), (d,))
-    out_dl, out_d, out_du, du2, ipiv, info = routine(
-        packed[0, : m - 1], packed[1], packed[2, : m - 1],
-        overwrite_dl=1, overwrite_d=1, overwrite_du=1)
-    _check_info(info, routine.typecode + "gttrf")
-    packed[0, : m - 1], packed[1], packed[2, : m - 1] = out_dl, out_d, out_du  # no-ops if in place
-    packed[3, : m - 2], packed[3, m - 2:] = du2, 0
-    np.subtract(ipiv, np.arange(1, m + 1, dtype=ipiv.dtype), out=packed[4], casting="unsafe")
-    factors = LUFactors(packed[0, : m - 1], packed[1], packed[2, : m - 1], packed[3, : m - 2],
-                        ipiv, rows)
-    return packed, factors
-
-
-def _batched(packed: np.ndarray, size: int, n: int) -> np.ndarray:
-    """``(5, m)`` packed factors of a joined system -> ``(size, 5, n)``, one block per system."""
-    out = packed[:, : size * n].reshape(5, size, n).transpose(1, 0, 2)
-    return np.ascontiguousarray(out)  # no copy for one system of 3 rows or more
-
-
-def _unpack(lu: np.ndarray) -> LUFactors:
-    """The inverse of packed, see :func:`_factor_packed`; for one system the bands are views, not copies."""
-    size, _, n = lu.shape
-    rows = size * n
-    joined = lu.transpose(1, 0, 2).reshape(5, rows)  # a view when size == 1
-    if rows < 3:  # gttrf ran on a system padded with identity rows to 3 x 3 (see _pad)
-        full = np.zeros((5, 3), dtype=lu.dtype)
-        full[:, :rows] = joined
-        full[1, rows:] = 1
-        joined = full
-    m = joined.shape[1]
-    ipiv = joined[4].real.astype(np.int32)
-    ipiv += np.arange(1, m + 1, dtype=np.int32)
-    return LUFactors(joined[0, : m - 1], joined[1], joined[2, : m - 1], joined[3, : m - 2], ipiv,
-                     rows)
-
-
-def factor_solve(lower, diag, upper, rhs):
-    """Like :func:`solve`, with ``?gttrf`` + ``?gttrs``, also returning the LU factors.
-
-    Returns ``(x, lu)``: ``x`` ``(*batch, n, k)`` and ``lu`` ``(*batch, 5, n)`` (see
-    packed, see :func:`_factor_packed`), which :func:`lu_solve` reuses to solve with ``A``, ``A^T`` or ``A^H``.
+    Returns ``(lu, pivots)``: ``lu`` ``(*batch, 4, n)`` holds ``?gttrf``'s ``dl``, ``d``, ``du`` and
+    ``du2`` in its rows (zero-padded to ``n``), ``pivots`` ``(*batch, n)`` its 1-based ``ipiv`` (row
+    ``i`` was interchanged with row ``pivots[i] - 1``, which is ``i`` or ``i + 1``), each relative to
+    its own system. A batch is factored in one call on the joined system (:func:`_join`; LAPACK
+    then takes the same pivots as on each system alone), unless a value is not finite, when each
+    system is factored alone. A singular matrix raises :class:`torch.linalg.LinAlgError` naming the
+    pivot and the batch element.
     """
     batch, n = diag.shape[:-1], diag.shape[-1]
     size = int(np.prod(batch))
-    if size == 0:
-        return np.empty(rhs.shape, dtype=rhs.dtype), np.zeros(batch + (5, n), dtype=diag.dtype)
-    if rhs.size == 0:  # no right-hand side: factor all the same, so a singular matrix raises
-        _, lu = factor_solve(lower, diag, upper, np.zeros(rhs.shape[:-1] + (1,), dtype=rhs.dtype))
-        return np.empty(rhs.shape, dtype=rhs.dtype), lu
+    lu = np.zeros((size, 4, n), dtype=diag.dtype)
+    pivots = np.empty((size, n), dtype=np.int32)
+    groups = [np.arange(size)]  # systems factored together
+    if size > 1 and not all(np.isfinite(a).all() for a in (lower, diag, upper)):
+        groups = [np.array([i]) for i in range(size)]
+    flat = [a.reshape(size, a.shape[-1]) for a in (lower, diag, upper)]
+    for systems in groups if size else []:
+        m = systems.size * n
+        dl, d, du, _ = _join(*(a[systems] for a in flat), np.zeros((systems.size, n, 1), diag.dtype))
+        try:
+            f = gttrf(dl, d, du)
+        except torch.linalg.LinAlgError as err:
+            raise _batch_error(err, n, batch, systems) from None
+        rows = np.zeros((4, m), dtype=diag.dtype)  # the couplings of the joined system stay 0
+        rows[0, : m - 1], rows[1], rows[2, : m - 1] = f.dl[: m - 1], f.d[:m], f.du[: m - 1]
+        rows[3, : max(m - 2, 0)] = f.du2[: max(m - 2, 0)]
+        lu[systems] = rows.reshape(4, systems.size, n).transpose(1, 0, 2)
+        offsets = np.repeat(np.arange(systems.size, dtype=np.int32) * n, n)
+        pivots[systems] = (f.ipiv[:m] - offsets).reshape(systems.size, n)
+    return lu.reshape(batch + (4, n)), pivots.reshape(batch + (n,))
 
-    def factor_one(dl, d, du, b, size=1):
-        packed, factors = _factor_packed(dl, d, du, size, n)
-        return gttrs(factors, b), _batched(packed, size, n)
 
-    dl, d, du, b = _join(lower, diag, upper, rhs)
-    try:
-        x, lu = factor_one(dl, d, du, b, size)
-    except torch.linalg.LinAlgError as err:
-        raise _batch_error(err, n, batch) from None
-    if batch and not np.isfinite(x).all():
-        pairs = _solve_each(lower, diag, upper, rhs, factor_one)
-        x, lu = np.stack([p[0] for p in pairs]), np.concatenate([p[1] for p in pairs])
-    return x.reshape(rhs.shape), lu.reshape(batch + (5, n))
+def factor_solve(lu: np.ndarray, pivots: np.ndarray, rhs: np.ndarray, trans: str = "N") -> np.ndarray:
+    """Solve with factors from :func:`factor` (``?gttrs``): ``A x = rhs`` (``trans='N'``),
+    ``A^T x = rhs`` (``'T'``) or ``A^H x = rhs`` (``'C'``), for ``rhs`` ``(*batch, n, k)``.
 
-
-def lu_solve(lu: np.ndarray, rhs: np.ndarray, trans: str = "N") -> np.ndarray:
-    """Solve with factors from :func:`factor_solve`: ``lu`` ``(*batch, 5, n)``, ``rhs``
-    ``(*batch, n, k)``; ``trans`` is ``'N'`` (``A``), ``'T'`` (``A^T``) or ``'C'`` (``A^H``)."""
+    A batch is solved in one call on the joined system; the factors of a block-diagonal matrix are
+    the blocks' factors, so this equals solving each system alone (each system alone, when a value
+    is not finite). Returns a new C-contiguous array; the inputs are left unchanged.
+    """
     batch, n = lu.shape[:-2], lu.shape[-1]
     size = int(np.prod(batch))
     if rhs.size == 0:
         return np.empty(rhs.shape, dtype=rhs.dtype)
-    factors = _unpack(lu.reshape(size, 5, n))
-    return gttrs(factors, rhs.reshape(size * n, rhs.shape[-1]), trans).reshape(rhs.shape)
+    flat_lu, flat_piv = lu.reshape(size, 4, n), pivots.reshape(size, n)
+    flat_rhs = rhs.reshape(size, n, rhs.shape[-1])
+    groups = [np.arange(size)]
+    if size > 1 and not (np.isfinite(lu).all() and np.isfinite(rhs).all()):
+        groups = [np.array([i]) for i in range(size)]
+    x = np.empty(flat_rhs.shape, dtype=rhs.dtype)
+    for systems in groups:
+        m = systems.size * n
+        rows = flat_lu[systems].transpose(1, 0, 2).reshape(4, m)
+        offsets = np.repeat(np.arange(systems.size, dtype=np.int32) * n, n)
+        ipiv = flat_piv[systems].reshape(m) + offsets
+        factors = LUFactors(rows[0, : m - 1], rows[1], rows[2, : m - 1], rows[3, : max(m - 2, 0)],
+                            ipiv, m)
+        if m < 3:  # SciPy's ?gttrs wrapper needs 3 rows: embed in identity rows, as gttrf did
+            factors = _pad_factors(factors)
+        x[systems] = gttrs(factors, flat_rhs[systems].reshape(m, -1), trans).reshape(
+            systems.size, n, -1)
+    return x.reshape(rhs.shape)
+
+
+def _pad_factors(f: LUFactors) -> LUFactors:
+    """The factors of ``[[A, 0], [0, I]]`` (3 x 3) from those of a 1 x 1 or 2 x 2 ``A``."""
+    m = f.n
+    dl, d, du, du2 = np.zeros(2, f.d.dtype), np.ones(3, f.d.dtype), np.zeros(2, f.d.dtype), \
+        np.zeros(1, f.d.dtype)
+    dl[: m - 1], d[:m], du[: m - 1] = f.dl, f.d, f.du
+    ipiv = np.arange(1, 4, dtype=np.int32)
+    ipiv[:m] = f.ipiv
+    return LUFactors(dl, d, du, du2, ipiv, m)

@@ -45,131 +45,94 @@ The kernel that a CPU tensor goes to (LAPACK, or the pure-torch kernel under
 :func:`~tridiag_tutorial.custom_op.torch_kernel_on_cpu`) is context-local state; each path saves
 the choice its forward made and its backward and ``jvp`` run on the same kernel.
 
-Factor reuse (eager path), where it is faster (:func:`_keeps_factors`): when a backward pass will
-follow, the forward factors ``A = LU`` once and keeps the factors; a plain first-order backward then
-solves ``A^H v = g`` from them (``trans='T'``/``'C'``) instead of factoring again. That pays on the
-pure-torch kernel (CUDA). With LAPACK it pays only for one large complex system: ``?gtsv`` factors
-and solves in a single sweep, so ``?gttrf`` + two ``?gttrs`` cost about as much as two ``?gtsv``
-or more (chapters 7 and 9 measure it); otherwise a plain backward calls ``?gtsv`` with ``A^H``
-directly. A backward that is itself being differentiated (``create_graph=True``, ``torch.func``)
-calls the differentiable solve on ``A^H`` instead, so derivatives of any order work.
+Factor reuse. On the pure-torch kernel (every device but the CPU) factoring costs about twice
+a solve with the factors, so when a backward pass will follow, the public function factors
+``A = LU`` once (:func:`tridiagonal_lu_factor`'s op) and the backward solves ``A^H v = g`` from
+the same factors. With LAPACK it does not pay: ``?gtsv`` factors and solves in one sweep, and
+``?gttrf`` + two ``?gttrs`` cost about as much as two ``?gtsv`` or more (chapter 9 shows the
+measurement), so the backward calls ``?gtsv`` with ``A^H``.
+
+Factorization as a feature: :func:`tridiagonal_lu_factor` returns :class:`TridiagonalFactors`, and
+:func:`tridiagonal_lu_solve` solves with ``A``, ``A^T`` or ``A^H`` from them, for a matrix that
+is used many times (implicit time steps). Both paths take the factors as optional inputs: the
+forward solves from them, and the backward and ``jvp`` solve with ``A^H`` and ``A`` from them too.
+The bands travel beside the factors, so gradients reach them through the same rules.
 """
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
+from typing import NamedTuple, Optional
 
 import torch
-from torch.autograd import forward_ad
-from torch.utils._python_dispatch import _get_current_dispatch_mode
 
-from . import _compat, lapack, rules, torch_kernel
-from ._validation import validate
-from .custom_op import (_kernel_choice, _numpy, _solve_kernel, _torch_kernel_on_cpu, _use_lapack,
-                        _vmap_rule)
-from .custom_op import tridiagonal_solve_op as _solve_op
+from . import _compat, lapack, rules
+from . import torch_kernel as _pure_torch  # a module; "torch_kernel" below is the kernel choice
+from ._validation import validate, validate_bands
+from .custom_op import _numpy, _torch_kernel_on_cpu
+from .custom_op import _solve_kernel as _solve_kernel  # chapter 9 times it as ops._solve_kernel
 
-__all__ = ["tridiagonal_solve"]
+__all__ = ["tridiagonal_solve", "tridiagonal_lu_factor", "tridiagonal_lu_solve",
+           "TridiagonalFactors"]
 
 
 # --------------------------------------------------------------------------------------------
-# Factor reuse: the forward keeps LU factors, the first backward solves with A^H from them.
+# The kernels, called directly: no autograd, no checks, one batch shape, rhs (*B, n, k).
+# ``torch_kernel`` is the kernel choice for CPU tensors (other devices always use the torch one).
 # --------------------------------------------------------------------------------------------
-@torch.library.custom_op("tridiag_tutorial::factor_solve", mutates_args=())
-def _factor_solve_op(lower: torch.Tensor, diag: torch.Tensor, upper: torch.Tensor,
-                     rhs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(x, lu)``: the solution and the packed LU factors ``(*B, 5, n)`` (``?gttrf`` + ``?gttrs``)."""
-    return _factor_solve_kernel(lower, diag, upper, rhs)
+def _lapack_for(t: torch.Tensor, torch_kernel: bool) -> bool:
+    return t.device.type == "cpu" and not torch_kernel
 
 
-def _factor_solve_kernel(lower, diag, upper, rhs):
-    if _use_lapack(rhs):
-        x, lu = lapack.factor_solve(*_numpy(lower, diag, upper, rhs))
-        return torch.from_numpy(x), torch.from_numpy(lu)
-    lu = torch_kernel.factor(lower, diag, upper)
-    return torch_kernel.lu_solve(lu, rhs), lu
+def _factor_kernel(lower, diag, upper, torch_kernel: bool):
+    """``(lu, pivots)``: ``(*B, 4, n)`` and ``(*B, n)`` int32 (see :func:`lapack.factor`)."""
+    if _lapack_for(diag, torch_kernel):
+        lu, pivots = lapack.factor(*_numpy(lower, diag, upper))
+        return torch.from_numpy(lu), torch.from_numpy(pivots)
+    return _pure_torch.factor(lower, diag, upper)
 
 
-@_factor_solve_op.register_fake
-def _factor_solve_fake(lower, diag, upper, rhs):
-    return rhs.new_empty(rhs.shape), diag.new_empty(diag.shape[:-1] + (5, diag.shape[-1]))
+def _kernel(lower, diag, upper, rhs, lu, pivots, trans: str, torch_kernel: bool):
+    """Solve ``M x = rhs``. Without factors (``lu is None``), ``M`` is the matrix of the bands and
+    ``trans`` is ``'N'``. With the factors of a matrix ``A``, ``M`` is ``A`` (``trans='N'``),
+    ``A^T`` (``'T'``) or ``A^H`` (``'C'``), and the bands (``M``'s) are not read."""
+    lapack_kernel = _lapack_for(rhs, torch_kernel)
+    if lu is None:
+        if lapack_kernel:
+            return torch.from_numpy(lapack.solve(*_numpy(lower, diag, upper, rhs)))
+        return _pure_torch.solve(lower, diag, upper, rhs)
+    if lapack_kernel:
+        return torch.from_numpy(lapack.factor_solve(*_numpy(lu, pivots, rhs), trans))
+    return _pure_torch.lu_solve(lu, pivots, rhs, trans)
 
 
-# None: decide by measurement (_keeps_factors). Context-local, like the kernel choice.
-_FACTOR_REUSE: contextvars.ContextVar[bool | None] = contextvars.ContextVar(
-    "tridiag_tutorial_factor_reuse", default=None)
-
-
-@contextlib.contextmanager
-def _factor_reuse(enabled: bool | None):
-    """Force factor reuse on (``True``) or off (``False``) within the block, in this thread or
-    task; ``None`` restores the measured policy. For the tests and the benchmarks, which compare
-    both strategies. The choice is made in the forward: a backward that runs after the block still
-    uses the factors kept (or not) by its forward."""
-    token = _FACTOR_REUSE.set(enabled)
-    try:
-        yield
-    finally:
-        _FACTOR_REUSE.reset(token)
-
-
-_LAPACK_REUSE_MIN_N = 10**5  # see _keeps_factors
-
-
-def _keeps_factors(rhs: torch.Tensor) -> bool:
-    """Whether a forward that a backward will follow should keep the LU factors for it.
-
-    Decided by measurement: forward + backward with reuse against solving twice, in the benchmark
-    suite's factor-reuse experiment (chapter 9 renders it). The pure-torch kernel factorises at
-    about twice the cost of a solve with the factors, and reuse took 0.57-0.72 of the time of
-    solving twice in every case measured. LAPACK's ``?gtsv`` factors and solves in one sweep,
-    which ``?gttrf`` + ``?gttrs`` need three for. With LAPACK, reuse was slower for systems of
-    n < 1e5 (by up to 25%), for several right-hand sides (14-27%) and in 14 of 16 batch
-    measurements (up to 42%; the factors also travel between the joined and the per-system
-    layout), and within 5% either way for one large real system. It was faster, by 2-10%, in
-    every measurement of one complex system of ``n >= 10**5`` with one right-hand side, so that
-    is the one LAPACK case that keeps factors; elsewhere the backward solves again and no
-    ``(*B, 5, n)`` factors are held in memory until it runs. ``rhs`` is the validated
-    ``(*B, n, k)`` right-hand side.
-    """
-    forced = _FACTOR_REUSE.get()
-    if forced is not None:
-        return forced
-    if not _use_lapack(rhs):
-        return True
-    one_system = rhs.shape[:-2].numel() == 1 and rhs.shape[-1] == 1
-    return rhs.is_complex() and one_system and rhs.shape[-2] >= _LAPACK_REUSE_MIN_N
-
-
-def _lu_solve_kernel(lu, rhs, trans):
-    """Solve with ``A`` (``'N'``), ``A^T`` (``'T'``) or ``A^H`` (``'C'``) from packed factors.
-
-    Not differentiable on purpose, and called directly (never dispatched): it serves only a
-    first-order backward that nothing observes (see :meth:`_TridiagonalSolve.backward`).
-    """
-    if _use_lapack(rhs):
-        return torch.from_numpy(lapack.lu_solve(*_numpy(lu, rhs), trans))
-    return torch_kernel.lu_solve(lu, rhs, trans)
+def _adjoint(lu, pivots, trans: str):
+    """``(lu, pivots, trans)`` that solve with ``M^H``, where ``(lu, pivots, trans)`` solve with
+    ``M``. Without factors the rules pass ``M^H``'s bands, and nothing changes."""
+    if lu is None:
+        return None, None, "N"
+    if trans == "N":
+        return lu, pivots, "C"
+    if trans == "C":
+        return lu, pivots, "N"
+    # M = A^T, so M^H = conj(A) = conj(L) conj(U): the conjugate factors, with the same pivots
+    # (LAPACK's pivoting magnitude |re| + |im| does not change under conjugation).
+    return lu.conj().resolve_conj(), pivots, "N"
 
 
 def _direct(*tensors) -> bool:
     """True when the kernels may be called on these tensors directly, skipping the dispatcher:
-    no ``torch.func`` transform is active, no dispatch or function mode is installed, and they are
-    plain tensors with data (no subclass, no FakeTensor or meta tensor, no functorch wrapper). Dispatching a
-    custom op costs tens of microseconds in Python, more than LAPACK needs for n = 100."""
+    no ``torch.func`` transform is active, no dispatch or function mode is installed, and they
+    are plain tensors with data (no subclass, no FakeTensor or meta tensor, no functorch wrapper).
+    Dispatching a custom op costs tens of microseconds in Python, more than LAPACK needs for
+    n = 100. ``None`` entries (absent factors) are skipped."""
     if torch.compiler.is_compiling():  # Dynamo traces the custom ops, never the NumPy kernels
         return False
-    if _get_current_dispatch_mode() is not None or torch._C._is_torch_function_mode_enabled():
-        return False
-    if torch._C._functorch.peek_interpreter_stack() is not None:  # inside a torch.func transform
+    if _compat.mode_active() or _compat.transform_active():
         return False
     for t in tensors:
-        if type(t) is not torch.Tensor or t.device.type == "meta":
-            return False
-        functorch = torch._C._functorch
-        if (functorch.is_functorch_wrapped_tensor(t) or functorch.is_batchedtensor(t)
-                or functorch.is_legacy_batchedtensor(t)):  # the last: gradcheck's batched checks
+        if t is None:
+            continue
+        if type(t) is not torch.Tensor or t.device.type == "meta" or _compat.is_functorch_tensor(t):
             return False
     return True
 
@@ -177,77 +140,100 @@ def _direct(*tensors) -> bool:
 def _unobserved(args) -> bool:
     """True when nothing but the result of this call matters: no gradient will be asked for, no
     ``torch.func`` transform or forward-AD level is active, and :func:`_direct` holds. Then the
-    public function calls the kernel without ``autograd.Function`` or the custom op."""
-    if forward_ad._current_level >= 0:
+    public functions call the kernel without ``autograd.Function`` or the custom op."""
+    if _compat.forward_ad_active():
         return False
-    if torch.is_grad_enabled() and any(t.requires_grad for t in args):
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in args):
         return False
     return _direct(*args)
+
+
+def _batch_rule(solve, info, in_dims, lower, diag, upper, rhs, lu, pivots):
+    """The vmap rule of both paths' solve (``solve`` takes the six tensors).
+
+    When only ``rhs`` is batched (one matrix, many right-hand sides), the vmapped dimension
+    becomes more columns of ``rhs``: one solve with ``k * batch`` columns, as JAX's batching rule
+    does, instead of copying the matrix to every batch element. Otherwise the vmapped dimension
+    goes first on every input, and unbatched inputs are expanded along it (a view)."""
+    tensors = (lower, diag, upper, rhs, lu, pivots)
+    if in_dims[3] is not None and all(d is None for i, d in enumerate(in_dims) if i != 3):
+        b = rhs.movedim(in_dims[3], -1)  # (*B, n, k, batch)
+        x = solve(lower, diag, upper, b.reshape(*b.shape[:-2], -1), lu, pivots)
+        return x.reshape(b.shape).movedim(-1, 0), 0
+    moved = [None if t is None else t.movedim(d, 0) if d is not None
+             else t.expand(info.batch_size, *t.shape) for t, d in zip(tensors, in_dims)]
+    return solve(*moved), 0
+
+
+def _band_grads_and_rhs(solve, needs, lower, diag, upper, x, grad_x):
+    """:func:`rules.solve_backward`, computing only the band gradients that ``needs`` asks for
+    (``ctx.needs_input_grad`` of the bands); ``v = A^{-H} g`` is the gradient of ``rhs``."""
+    if any(needs):
+        return rules.solve_backward(solve, lower, diag, upper, x, grad_x)
+    v = solve(upper.conj(), diag.conj(), lower.conj(), grad_x)
+    return None, None, None, v
 
 
 # --------------------------------------------------------------------------------------------
 # The eager path: an autograd.Function that torch.func and forward-mode AD understand.
 # --------------------------------------------------------------------------------------------
 class _TridiagonalSolve(torch.autograd.Function):
-    """``(x, lu) = solve(lower, diag, upper, rhs, keep_lu, torch_kernel)``; ``lu`` is empty unless
-    ``keep_lu``. ``torch_kernel`` is the kernel choice made by the caller (see
-    :func:`~tridiag_tutorial.custom_op.torch_kernel_on_cpu`); the backward and ``jvp`` reuse it."""
+    """``x = solve(lower, diag, upper, rhs, lu, pivots, trans, torch_kernel)`` (see
+    :func:`_kernel`). ``torch_kernel`` is the kernel choice made by the caller (see
+    :func:`~tridiag_tutorial.custom_op.torch_kernel_on_cpu`); the backward and ``jvp`` reuse it,
+    and the factors, when there are any."""
 
     @staticmethod
-    def forward(lower, diag, upper, rhs, keep_lu, torch_kernel):
-        direct = _direct(lower, diag, upper, rhs)  # else the custom ops (fake kernels, modes)
-        with _kernel_choice(torch_kernel):
-            if keep_lu:
-                return (_factor_solve_kernel if direct else _factor_solve_op)(lower, diag, upper,
-                                                                              rhs)
-            x = (_solve_kernel if direct else _solve_op)(lower, diag, upper, rhs)
-        return x, diag.new_empty(diag.shape[:-1] + (0,))
+    def forward(lower, diag, upper, rhs, lu, pivots, trans, torch_kernel):
+        if _direct(lower, diag, upper, rhs, lu, pivots):
+            return _kernel(lower, diag, upper, rhs, lu, pivots, trans, torch_kernel)
+        return _kernel_op(lower, diag, upper, rhs, lu, pivots, trans, torch_kernel)  # modes, fakes
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        lower, diag, upper, _, _, ctx.torch_kernel = inputs
-        x, lu = output
-        ctx.mark_non_differentiable(lu)
-        ctx.set_materialize_grads(False)  # no zero-filled (..., 5, n) gradient for lu, ever
-        ctx.save_for_backward(lower, diag, upper, x, lu)
-        ctx.save_for_forward(lower, diag, upper, x)
+        lower, diag, upper, _, lu, pivots, ctx.trans, ctx.torch_kernel = inputs
+        ctx.set_materialize_grads(False)
+        ctx.save_for_backward(lower, diag, upper, output, lu, pivots)
+        ctx.save_for_forward(lower, diag, upper, output, lu, pivots)
 
     @staticmethod
-    def backward(ctx, grad_x, _grad_lu):
-        lower, diag, upper, x, lu = ctx.saved_tensors
+    def backward(ctx, grad_x):
+        lower, diag, upper, x, lu, pivots = ctx.saved_tensors
         if grad_x is None:  # grads are not materialised: x was not used by the loss
-            return None, None, None, None, None, None
-        plain = not torch.is_grad_enabled() and forward_ad._current_level < 0  # no AD watching
-        with _kernel_choice(ctx.torch_kernel):  # the forward's kernel, whatever the caller's now
-            if plain and _direct(grad_x, x, lu, lower, diag, upper):
-                # First-order backward, not itself differentiated: call the kernels directly.
-                if lu.numel():  # the forward kept its factors: solve with A^T / A^H from them
-                    v = _lu_solve_kernel(lu, grad_x, "C" if x.is_complex() else "T")
-                    return (*rules.band_gradients(v, x), v, None, None)
-                grads = rules.solve_backward(_solve_kernel, lower, diag, upper, x, grad_x)
-            else:  # solve again through the differentiable op, so higher derivatives work
-                grads = rules.solve_backward(_differentiable_solve, lower, diag, upper, x, grad_x)
-        return (*grads, None, None)
+            return (None,) * 8
+        adjoint = _adjoint(lu, pivots, ctx.trans)
+        plain = not torch.is_grad_enabled() and not _compat.forward_ad_active()
+        if plain and _direct(grad_x, x, lower, diag, upper, lu, pivots):
+            # First-order backward, not itself differentiated: call the kernels directly.
+            def solve(l, d, u, r):
+                return _kernel(l, d, u, r, *adjoint, ctx.torch_kernel)
+        else:  # solve through the differentiable Function, so higher derivatives work
+            def solve(l, d, u, r):
+                return _TridiagonalSolve.apply(l, d, u, r, *adjoint, ctx.torch_kernel)
+        grads = _band_grads_and_rhs(solve, ctx.needs_input_grad[:3], lower, diag, upper, x,
+                                    grad_x)
+        return (*grads, None, None, None, None)
 
     @staticmethod
-    def jvp(ctx, d_lower, d_diag, d_upper, d_rhs, _d_keep_lu, _d_torch_kernel):
+    def jvp(ctx, d_lower, d_diag, d_upper, d_rhs, *_):
         _check_not_forward_over_forward()
-        lower, diag, upper, x = ctx.saved_tensors
-        with _kernel_choice(ctx.torch_kernel):
-            dx = rules.solve_jvp(_differentiable_solve, lower, diag, upper, x,
-                                 d_lower, d_diag, d_upper, d_rhs)
-        return dx, None
+        lower, diag, upper, x, lu, pivots = ctx.saved_tensors
+
+        def solve(l, d, u, r):
+            return _TridiagonalSolve.apply(l, d, u, r, lu, pivots, ctx.trans, ctx.torch_kernel)
+        return rules.solve_jvp(solve, lower, diag, upper, x, d_lower, d_diag, d_upper, d_rhs)
 
     @staticmethod
-    def vmap(info, in_dims, lower, diag, upper, rhs, keep_lu, torch_kernel):
-        return _vmap_rule(lambda *a: _TridiagonalSolve.apply(*a, keep_lu, torch_kernel), info,
-                          in_dims[:4], lower, diag, upper, rhs, out_dims=(0, 0))
+    def vmap(info, in_dims, lower, diag, upper, rhs, lu, pivots, trans, torch_kernel):
+        def solve(*tensors):
+            return _TridiagonalSolve.apply(*tensors, trans, torch_kernel)
+        return _batch_rule(solve, info, in_dims[:6], lower, diag, upper, rhs, lu, pivots)
 
 
 def _differentiable_solve(lower, diag, upper, rhs):
-    """The differentiable solve that backward and jvp rules call, on the current kernel choice."""
-    x, _ = _TridiagonalSolve.apply(lower, diag, upper, rhs, False, _torch_kernel_on_cpu())
-    return x
+    """The differentiable solve of validated inputs, on the current kernel choice."""
+    return _TridiagonalSolve.apply(lower, diag, upper, rhs, None, None, "N",
+                                   _torch_kernel_on_cpu())
 
 
 _FORWARD_OVER_FORWARD = (
@@ -264,38 +250,69 @@ def _check_not_forward_over_forward() -> None:
 
 
 # --------------------------------------------------------------------------------------------
-# The compiled path: tridiag_tutorial::solve, an op with an Autograd kernel of our own.
+# The ops under the compiled path (and under modes): tridiag_tutorial::solve has an Autograd
+# kernel of our own; solve_kernel and lu_factor are plain custom ops with fake and vmap rules.
 # --------------------------------------------------------------------------------------------
 @torch.library.custom_op("tridiag_tutorial::solve_kernel", mutates_args=())
 def _kernel_op(lower: torch.Tensor, diag: torch.Tensor, upper: torch.Tensor, rhs: torch.Tensor,
+               lu: Optional[torch.Tensor], pivots: Optional[torch.Tensor], trans: str,
                torch_kernel: bool) -> torch.Tensor:
     """The kernel alone (no autograd): what the compiled graph calls, forward and backward."""
-    with _kernel_choice(torch_kernel):
-        return _solve_kernel(lower, diag, upper, rhs)
+    return _kernel(lower, diag, upper, rhs, lu, pivots, trans, torch_kernel)
 
 
 @_kernel_op.register_fake
-def _kernel_fake(lower, diag, upper, rhs, torch_kernel):
+def _kernel_fake(lower, diag, upper, rhs, lu, pivots, trans, torch_kernel):
     return rhs.new_empty(rhs.shape)  # the real kernels return a new C-contiguous tensor
 
 
-def _on_kernel(op, torch_kernel: bool):
-    """``op`` as a solve of four tensors, with the kernel choice bound."""
-    return lambda lower, diag, upper, rhs: op(lower, diag, upper, rhs, torch_kernel)
+def _on_kernel(op, trans: str, torch_kernel: bool):
+    """``op`` as a function of its six tensors, with the last two arguments bound."""
+    return lambda *tensors: op(*tensors, trans, torch_kernel)
 
 
 def _vmap_with_kernel(op):
-    """The batch rule of an op whose last argument is the kernel choice."""
-    def rule(info, in_dims, lower, diag, upper, rhs, torch_kernel):
-        return _vmap_rule(_on_kernel(op, torch_kernel), info, in_dims[:4], lower, diag, upper, rhs)
+    """The batch rule of an op with the signature of ``solve_kernel``."""
+    def rule(info, in_dims, lower, diag, upper, rhs, lu, pivots, trans, torch_kernel):
+        return _batch_rule(_on_kernel(op, trans, torch_kernel), info, in_dims[:6], lower, diag,
+                           upper, rhs, lu, pivots)
     return rule
 
 
 _kernel_op.register_vmap(_vmap_with_kernel(_kernel_op))
 
 
+@torch.library.custom_op("tridiag_tutorial::lu_factor", mutates_args=())
+def _factor_op(lower: torch.Tensor, diag: torch.Tensor, upper: torch.Tensor,
+               torch_kernel: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(lu, pivots)`` of a batch; not differentiable (the bands carry the gradients)."""
+    return _factor_kernel(lower, diag, upper, torch_kernel)
+
+
+@_factor_op.register_fake
+def _factor_fake(lower, diag, upper, torch_kernel):
+    batch, n = diag.shape[:-1], diag.shape[-1]
+    return diag.new_empty(*batch, 4, n), diag.new_empty(*batch, n, dtype=torch.int32)
+
+
+@_factor_op.register_vmap
+def _factor_vmap(info, in_dims, lower, diag, upper, torch_kernel):
+    moved = [t.movedim(d, 0) if d is not None else t.expand(info.batch_size, *t.shape)
+             for t, d in zip((lower, diag, upper), in_dims[:3])]
+    return _factor_op(*moved, torch_kernel), (0, 0)
+
+
+def _factors(lower, diag, upper, torch_kernel: bool):
+    """``(lu, pivots)`` of the bands, through the op unless the kernel may be called directly."""
+    bands = tuple(t.detach() for t in (lower, diag, upper))  # factors carry no derivative
+    if _direct(*bands):
+        return _factor_kernel(*bands, torch_kernel)
+    return _factor_op(*bands, torch_kernel)
+
+
 _LIB = torch.library.Library("tridiag_tutorial", "FRAGMENT")
-_LIB.define("solve(Tensor lower, Tensor diag, Tensor upper, Tensor rhs, bool torch_kernel) -> Tensor")
+_LIB.define("solve(Tensor lower, Tensor diag, Tensor upper, Tensor rhs, Tensor? lu, "
+            "Tensor? pivots, str trans, bool torch_kernel) -> Tensor")
 _LIB.impl("solve", _kernel_op, "CompositeExplicitAutograd")  # every backend, meta and fake too
 
 
@@ -303,27 +320,34 @@ class _CompiledSolve(_compat.SingleLevelFunction):
     """The Autograd kernel of ``tridiag_tutorial::solve``: one autograd node at the current level."""
 
     @staticmethod
-    def forward(lower, diag, upper, rhs, torch_kernel):
-        return _kernel_op(lower, diag, upper, rhs, torch_kernel)
+    def forward(lower, diag, upper, rhs, lu, pivots, trans, torch_kernel):
+        return _kernel_op(lower, diag, upper, rhs, lu, pivots, trans, torch_kernel)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        lower, diag, upper, _, ctx.torch_kernel = inputs
-        ctx.save_for_backward(lower, diag, upper, output)
-        ctx.save_for_forward(lower, diag, upper, output)
+        lower, diag, upper, _, lu, pivots, ctx.trans, ctx.torch_kernel = inputs
+        ctx.save_for_backward(lower, diag, upper, output, lu, pivots)
+        ctx.save_for_forward(lower, diag, upper, output, lu, pivots)
 
     @staticmethod
     def backward(ctx, grad_x):
-        lower, diag, upper, x = ctx.saved_tensors
-        solve = _on_kernel(_compiled_op, ctx.torch_kernel)
-        return (*rules.solve_backward(solve, lower, diag, upper, x, grad_x), None)
+        lower, diag, upper, x, lu, pivots = ctx.saved_tensors
+        lu, pivots, trans = _adjoint(lu, pivots, ctx.trans)
+
+        def solve(l, d, u, r):
+            return _compiled_op(l, d, u, r, lu, pivots, trans, ctx.torch_kernel)
+        grads = _band_grads_and_rhs(solve, ctx.needs_input_grad[:3], lower, diag, upper, x,
+                                    grad_x)
+        return (*grads, None, None, None, None)
 
     @staticmethod
-    def jvp(ctx, d_lower, d_diag, d_upper, d_rhs, _d_torch_kernel):
+    def jvp(ctx, d_lower, d_diag, d_upper, d_rhs, *_):
         _check_not_forward_over_forward()
-        lower, diag, upper, x = ctx.saved_tensors
-        return rules.solve_jvp(_on_kernel(_compiled_op, ctx.torch_kernel), lower, diag, upper, x,
-                               d_lower, d_diag, d_upper, d_rhs)
+        lower, diag, upper, x, lu, pivots = ctx.saved_tensors
+
+        def solve(l, d, u, r):
+            return _compiled_op(l, d, u, r, lu, pivots, ctx.trans, ctx.torch_kernel)
+        return rules.solve_jvp(solve, lower, diag, upper, x, d_lower, d_diag, d_upper, d_rhs)
 
 
 _NESTED_UNDER_COMPILE = (
@@ -334,11 +358,11 @@ _NESTED_UNDER_COMPILE = (
     "level of grad, vjp, jacrev, jvp or jacfwd (optionally under vmap) works.")
 
 
-def _solve_autograd(lower, diag, upper, rhs, torch_kernel):
+def _solve_autograd(lower, diag, upper, rhs, lu, pivots, trans, torch_kernel):
     if _compat.differentiation_depth() > 1:
         raise NotImplementedError(_NESTED_UNDER_COMPILE)
     with _compat.enable_single_level_autograd_function():
-        return _CompiledSolve.apply(lower, diag, upper, rhs, torch_kernel)
+        return _CompiledSolve.apply(lower, diag, upper, rhs, lu, pivots, trans, torch_kernel)
 
 
 _LIB.impl("solve", _solve_autograd, "Autograd")
@@ -349,6 +373,21 @@ torch.library.register_vmap("tridiag_tutorial::solve", _vmap_with_kernel(_compil
 # --------------------------------------------------------------------------------------------
 # The public face.
 # --------------------------------------------------------------------------------------------
+def _solve(lower, diag, upper, rhs, lu, pivots, trans: str, torch_kernel: bool) -> torch.Tensor:
+    """Route one validated solve: compiled op, direct kernel or the eager Function."""
+    args = (lower, diag, upper, rhs, lu, pivots)
+    if torch.compiler.is_compiling():
+        return _compiled_op(*args, trans, torch_kernel)
+    if torch.jit.is_tracing():
+        raise RuntimeError(
+            "tridiagonal_solve: torch.jit.trace cannot record this op (it calls LAPACK through "
+            "NumPy, so the trace would hold the solution as a constant). Use torch.compile, or "
+            "torch.export.export for a graph to save.")
+    if _unobserved(args):  # no autograd, transform or mode can see the call: skip dispatch
+        return _kernel(*args, trans, torch_kernel)
+    return _TridiagonalSolve.apply(*args, trans, torch_kernel)
+
+
 def tridiagonal_solve(lower: torch.Tensor, diag: torch.Tensor, upper: torch.Tensor,
                       rhs: torch.Tensor) -> torch.Tensor:
     r"""Solve ``A x = rhs`` for a tridiagonal ``A``, differentiably, in O(n).
@@ -374,11 +413,11 @@ def tridiagonal_solve(lower: torch.Tensor, diag: torch.Tensor, upper: torch.Tens
             pivoting); the message names the pivot and the batch element.
 
     On CPU it calls LAPACK ``?gtsv`` (Gaussian elimination with partial pivoting), and a backward
-    calls it again with ``A^H`` (except for one complex system of ``n >= 10**5``, whose factors
-    are kept); on other devices the pure-torch kernel (the same pivoting) runs, and its forward
-    keeps the LU factors for the backward. Gradients flow to all four inputs, to
-    any order; ``torch.compile(fullgraph=True)`` traces it with no graph break. Inputs are never
-    modified.
+    calls it again with ``A^H``; on other devices the pure-torch kernel (the same pivoting) runs,
+    and when a backward will follow it factors once and the backward reuses the factors.
+    Gradients flow to all four inputs, to any order; ``torch.compile(fullgraph=True)`` traces it
+    with no graph break. Inputs are never modified. To solve many times with one matrix, see
+    :func:`tridiagonal_lu_factor`.
 
     Example:
         >>> import torch
@@ -395,19 +434,130 @@ def tridiagonal_solve(lower: torch.Tensor, diag: torch.Tensor, upper: torch.Tens
         tensor([0.5000, 0.0000, 0.5000])
     """
     p = validate(lower, diag, upper, rhs)
-    args = (p.lower, p.diag, p.upper, p.rhs)
+    torch_kernel = _torch_kernel_on_cpu()
+    lu = pivots = None
+    if (not _lapack_for(p.rhs, torch_kernel) and torch.is_grad_enabled()
+            and any(t.requires_grad for t in (p.lower, p.diag, p.upper, p.rhs))
+            and not torch.jit.is_tracing()):
+        # The pure-torch kernel: factor once, and the backward solves with A^H from the factors.
+        lu, pivots = _factors(p.lower, p.diag, p.upper, torch_kernel)
+    x = _solve(p.lower, p.diag, p.upper, p.rhs, lu, pivots, "N", torch_kernel)
+    return x.squeeze(-1) if p.vector_rhs else x
+
+
+class TridiagonalFactors(NamedTuple):
+    """The LU factorization of a (batch of) tridiagonal matrices, from :func:`tridiagonal_lu_factor`.
+
+    Its fields:
+
+    - ``lower``, ``diag``, ``upper``: the bands the factors were made from, broadcast to one batch
+      shape (kept so that gradients reach them: the tensors the caller passed, or views of them);
+    - ``lu``: ``(*batch, 4, n)``, LAPACK ``?gttrf``'s output in its rows: the multipliers of ``L``
+      (``dl``), and the diagonal and two superdiagonals of ``U`` (``d``, ``du``, ``du2``), each
+      zero-padded to ``n``;
+    - ``pivots``: ``(*batch, n)`` int32, ``?gttrf``'s 1-based ``ipiv`` for each system: row ``i``
+      was interchanged with row ``pivots[i] - 1`` (``i`` or ``i + 1``), the convention of
+      :func:`torch.linalg.lu_factor`.
+
+    ``batch_shape``, ``n``, ``device`` and ``dtype`` describe the matrix.
+
+    It is a named tuple of tensors, so it can be passed into and returned from functions that
+    ``torch.compile`` or ``torch.func.vmap`` transform.
+    """
+
+    lower: torch.Tensor
+    diag: torch.Tensor
+    upper: torch.Tensor
+    lu: torch.Tensor
+    pivots: torch.Tensor
+
+    @property
+    def batch_shape(self) -> torch.Size:
+        return self.diag.shape[:-1]
+
+    @property
+    def n(self) -> int:
+        return self.diag.shape[-1]
+
+    @property
+    def device(self) -> torch.device:
+        return self.diag.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.diag.dtype
+
+
+def tridiagonal_lu_factor(lower: torch.Tensor, diag: torch.Tensor,
+                          upper: torch.Tensor) -> TridiagonalFactors:
+    r"""Factor ``A = P L U`` once (LU with partial pivoting), to solve with it many times.
+
+    The bands follow :func:`tridiagonal_solve`'s conventions and broadcast. On CPU this is LAPACK
+    ``?gttrf``; on other devices the pure-torch kernel, which makes the same pivot choices.
+    Pass the result to :func:`tridiagonal_lu_solve`. Works eagerly, under ``torch.compile`` and
+    under ``torch.func`` transforms.
+
+    Raises:
+        TypeError, ValueError: as :func:`tridiagonal_solve`, for the bands.
+        torch.linalg.LinAlgError: ``A`` is singular; the message names the pivot and the batch
+            element.
+
+    Example:
+        >>> import torch
+        >>> from tridiag_tutorial import tridiagonal_lu_factor, tridiagonal_lu_solve
+        >>> factors = tridiagonal_lu_factor(torch.ones(2), torch.full((3,), 2.0), torch.ones(2))
+        >>> x = tridiagonal_lu_solve(factors, torch.tensor([4.0, 8.0, 8.0]))
+        >>> x.round(decimals=6)
+        tensor([1., 2., 3.])
+    """
+    lower, diag, upper = validate_bands(lower, diag, upper, name="tridiagonal_lu_factor")
+    torch_kernel = _torch_kernel_on_cpu()
     if torch.compiler.is_compiling():
-        x = _compiled_op(*args, _torch_kernel_on_cpu())
-    elif torch.jit.is_tracing():
-        raise RuntimeError(
-            "tridiagonal_solve: torch.jit.trace cannot record this op (it calls LAPACK through "
-            "NumPy, so the trace would hold the solution as a constant). Use torch.compile, or "
-            "torch.export.export for a graph to save.")
-    elif _unobserved(args):
-        x = _solve_kernel(*args)  # no autograd, transform or mode can see the call: skip dispatch
+        lu, pivots = _factor_op(lower.detach(), diag.detach(), upper.detach(), torch_kernel)
     else:
-        # Keep the LU factors only when a backward pass will want them, and reuse pays.
-        keep_lu = (torch.is_grad_enabled() and any(t.requires_grad for t in args)
-                   and _keeps_factors(p.rhs))
-        x, _ = _TridiagonalSolve.apply(*args, keep_lu, _torch_kernel_on_cpu())
+        lu, pivots = _factors(lower, diag, upper, torch_kernel)
+    return TridiagonalFactors(lower, diag, upper, lu, pivots)
+
+
+def tridiagonal_lu_solve(factors: TridiagonalFactors, rhs: torch.Tensor,
+                         trans: str = "N") -> torch.Tensor:
+    r"""Solve ``A x = rhs`` (``trans='N'``), ``A^T x = rhs`` (``'T'``) or ``A^H x = rhs``
+    (``'C'``) with the factors of :func:`tridiagonal_lu_factor`, in O(n) per right-hand side.
+
+    ``rhs`` is ``(..., n)`` or ``(..., n, k)`` as for :func:`tridiagonal_solve`; its batch
+    dimensions broadcast with the factors'. On CPU this is LAPACK ``?gttrs``.
+
+    Differentiable with respect to ``rhs``, and with respect to the bands when the factors were
+    made from bands that require grad (the derivative of ``A^{-1} rhs`` is the same as for
+    :func:`tridiagonal_solve`; its backward solves with ``A^H`` from the same factors). It works
+    with forward-mode AD, every ``torch.func`` transform, ``vmap`` (a ``vmap`` over the
+    right-hand side alone is one solve with more columns) and ``torch.compile``, with the same
+    limits as :func:`tridiagonal_solve`.
+
+    Raises:
+        TypeError: ``factors`` is not a :class:`TridiagonalFactors`, or ``rhs`` has the wrong dtype.
+        ValueError: ``trans`` is not ``'N'``, ``'T'`` or ``'C'``; ``rhs``'s shape does not fit.
+    """
+    if not isinstance(factors, TridiagonalFactors):
+        raise TypeError("tridiagonal_lu_solve: factors must be the TridiagonalFactors returned by "
+                        f"tridiagonal_lu_factor, got {type(factors).__name__}")
+    if trans not in ("N", "T", "C"):
+        raise ValueError(f"tridiagonal_lu_solve: trans must be 'N' (A), 'T' (A^T) or 'C' (A^H), "
+                         f"got {trans!r}")
+    lower, diag, upper, lu, pivots = factors
+    batch, n = diag.shape[:-1], diag.shape[-1]
+    if lu.shape != (*batch, 4, n) or pivots.shape != (*batch, n) or pivots.dtype != torch.int32:
+        raise ValueError(
+            "tridiagonal_lu_solve: the factors do not fit their bands: expected lu "
+            f"{(*batch, 4, n)} and int32 pivots {(*batch, n)}, got lu {tuple(lu.shape)} and "
+            f"{pivots.dtype} pivots {tuple(pivots.shape)}; make them with tridiagonal_lu_factor")
+    if trans == "T":  # the bands of M = A^T or A^H, for the derivative rules
+        lower, upper = upper, lower
+    elif trans == "C":
+        lower, diag, upper = upper.conj(), diag.conj(), lower.conj()
+    p = validate(lower, diag, upper, rhs, name="tridiagonal_lu_solve")
+    if p.diag.shape[:-1] != batch:  # rhs brought more batch dimensions: the factors follow
+        lu = lu.expand(*p.diag.shape[:-1], 4, n)
+        pivots = pivots.expand(*p.diag.shape[:-1], n)
+    x = _solve(p.lower, p.diag, p.upper, p.rhs, lu, pivots, trans, _torch_kernel_on_cpu())
     return x.squeeze(-1) if p.vector_rhs else x

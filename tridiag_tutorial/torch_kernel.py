@@ -10,9 +10,9 @@ swapped with row ``i + 1`` when ``|lower[i]| > |diag[i]|``; for complex numbers 
 needed. Each elimination step is a handful of elementwise torch ops on all systems of the batch at
 once, and the steps run one after another, so the cost is O(n) *kernel launches*: the kernel is
 fast for large batches of small and moderate systems, and slow for one huge system (there, a
-parallel method such as cyclic reduction would win, at the price of pivoting). The factors use the
-packed layout of :func:`tridiag_tutorial.lapack.factor_solve`: ``lu`` ``(*batch, 5, n)`` with rows
-``dl, d, du, du2`` and the pivot flags (1 where rows ``i`` and ``i + 1`` were interchanged).
+parallel method such as cyclic reduction would win, at the price of pivoting). The factors have the
+layout of :func:`tridiag_tutorial.lapack.factor`: ``lu`` ``(*batch, 4, n)`` with rows
+``dl, d, du, du2`` and ``pivots`` ``(*batch, n)``, LAPACK's 1-based ``ipiv`` of each system.
 
 A singular matrix (an exactly zero pivot) raises :class:`torch.linalg.LinAlgError` naming the pivot
 and the batch element, like the LAPACK path; this check reads one boolean back from the device.
@@ -32,9 +32,10 @@ def _magnitude(t: torch.Tensor) -> torch.Tensor:
     return t.real.abs() + t.imag.abs() if t.is_complex() else t.abs()
 
 
-def factor(lower: torch.Tensor, diag: torch.Tensor, upper: torch.Tensor) -> torch.Tensor:
+def factor(lower: torch.Tensor, diag: torch.Tensor, upper: torch.Tensor):
     """LU with partial pivoting of a batch: bands ``(*batch, n-1)``, ``(*batch, n)``,
-    ``(*batch, n-1)`` -> packed ``lu`` ``(*batch, 5, n)``. Inputs are not modified."""
+    ``(*batch, n-1)`` -> ``(lu, pivots)``, ``(*batch, 4, n)`` and ``(*batch, n)`` int32 (the layout
+    of :func:`tridiag_tutorial.lapack.factor`). Inputs are not modified."""
     n = diag.shape[-1]
     d = list(diag.unbind(-1))
     du = list(upper.unbind(-1))
@@ -57,18 +58,14 @@ def factor(lower: torch.Tensor, diag: torch.Tensor, upper: torch.Tensor) -> torc
             du2.append(torch.where(swap, far, zero))
             du[i + 1] = torch.where(swap, -fact * far, far)
         multipliers.append(fact)
-        swaps.append(swap.to(diag.dtype))
+        swaps.append(swap)
     pad = [zero]
-    rows = [
-        multipliers + pad,
-        d,
-        du + pad,
-        du2 + [zero] * (n - len(du2)),
-        swaps + pad,
-    ]
+    rows = [multipliers + pad, d, du + pad, du2 + [zero] * (n - len(du2))]
     lu = torch.stack([torch.stack(r, dim=-1) for r in rows], dim=-2)
     _check_pivots(lu[..., 1, :])
-    return lu
+    rows_1_based = torch.arange(1, n + 1, dtype=torch.int32, device=diag.device)
+    swapped = torch.stack(swaps + [torch.zeros_like(diag[..., 0], dtype=torch.bool)], dim=-1)
+    return lu, rows_1_based + swapped.to(torch.int32)
 
 
 def _check_pivots(pivots: torch.Tensor) -> None:
@@ -85,16 +82,18 @@ def _check_pivots(pivots: torch.Tensor) -> None:
         raise torch.linalg.LinAlgError(message)
 
 
-def lu_solve(lu: torch.Tensor, rhs: torch.Tensor, trans: str = "N") -> torch.Tensor:
-    """Solve with packed factors: ``A x = rhs`` (``'N'``), ``A^T x = rhs`` (``'T'``) or
-    ``A^H x = rhs`` (``'C'``); ``rhs`` ``(*batch, n, k)``; returns a new tensor."""
+def lu_solve(lu: torch.Tensor, pivots: torch.Tensor, rhs: torch.Tensor,
+             trans: str = "N") -> torch.Tensor:
+    """Solve with the factors of :func:`factor`: ``A x = rhs`` (``'N'``), ``A^T x = rhs`` (``'T'``)
+    or ``A^H x = rhs`` (``'C'``); ``rhs`` ``(*batch, n, k)``; returns a new tensor."""
     if trans not in ("N", "T", "C"):
         raise ValueError(f"lu_solve: trans must be 'N', 'T' or 'C', got {trans!r}")
     if trans == "C":
-        lu = lu.conj()
+        lu = lu.conj_physical()  # a new tensor: a lazily conjugated view misbehaved under AOTAutograd
     n = lu.shape[-1]
     dl, d, du, du2 = (lu[..., r, :].unsqueeze(-1) for r in range(4))  # (*batch, n, 1)
-    swap = lu[..., 4, :].real.bool().unsqueeze(-1)
+    rows_1_based = torch.arange(1, n + 1, dtype=pivots.dtype, device=pivots.device)
+    swap = (pivots != rows_1_based).unsqueeze(-1)
     b = list(rhs.unbind(-2))
     if trans == "N":
         for i in range(n - 1):  # L: forward, with the row interchanges
@@ -126,4 +125,4 @@ def lu_solve(lu: torch.Tensor, rhs: torch.Tensor, trans: str = "N") -> torch.Ten
 
 def solve(lower, diag, upper, rhs) -> torch.Tensor:
     """``x = A^{-1} rhs`` for a batch: :func:`factor`, then :func:`lu_solve`."""
-    return lu_solve(factor(lower, diag, upper), rhs)
+    return lu_solve(*factor(lower, diag, upper), rhs)

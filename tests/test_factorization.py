@@ -1,0 +1,283 @@
+"""The public factorization: tridiagonal_lu_factor / tridiagonal_lu_solve.
+
+Values and gradients against the dense reference (``torch.linalg.solve`` on ``A``, ``A^T`` or
+``A^H``), gradcheck in float64 (reverse, forward and second order), every torch.func transform,
+vmap (including the fold of a right-hand-side-only batch into columns), torch.compile with
+fullgraph, both kernels, and the errors.
+"""
+
+import pytest
+import torch
+from torch.autograd import gradcheck, gradgradcheck
+from torch.func import grad, hessian, jacfwd, jacrev, jvp, vmap
+
+from tridiag_tutorial import (TridiagonalFactors, lapack, ops, rules, to_dense,
+                              tridiagonal_lu_factor, tridiagonal_lu_solve, tridiagonal_solve)
+
+from conftest import ALL_DTYPES, assert_close, kernel_context, make_system
+
+TRANS = ["N", "T", "C"]
+
+
+def dense_op(lower, diag, upper, trans):
+    a = to_dense(lower, diag, upper)
+    return {"N": a, "T": a.mT, "C": a.mH}[trans]
+
+
+def dense(lower, diag, upper, rhs, trans="N"):
+    """The reference: ``op(A)^{-1} rhs`` for a vector or matrix ``rhs``."""
+    a = dense_op(lower, diag, upper, trans)
+    vector = rhs.ndim == diag.ndim
+    x = torch.linalg.solve(a, rhs.unsqueeze(-1) if vector else rhs)
+    return x.squeeze(-1) if vector else x
+
+
+def factored(lower, diag, upper, rhs, trans="N"):
+    return tridiagonal_lu_solve(tridiagonal_lu_factor(lower, diag, upper), rhs, trans)
+
+
+@pytest.mark.parametrize("kernel", ["lapack", "torch"])
+@pytest.mark.parametrize("dtype", ALL_DTYPES, ids=str)
+@pytest.mark.parametrize("trans", TRANS)
+@pytest.mark.parametrize("n, batch, k", [(1, (), None), (2, (3,), 2), (7, (2, 3), None),
+                                         (7, (), 4)])
+def test_solve_with_factors_matches_dense(kernel, dtype, trans, n, batch, k):
+    args = make_system(n, batch, k, dtype=dtype, seed=n)
+    with kernel_context(kernel):
+        x = factored(*args, trans)
+    assert x.shape == args[3].shape and x.dtype == dtype
+    assert_close(x, dense(*args, trans), dtype)
+
+
+def test_factors_object_describes_the_matrix():
+    lower, diag, upper, _ = make_system(6, (2, 3), seed=1)
+    f = tridiagonal_lu_factor(lower, diag, upper)
+    assert isinstance(f, TridiagonalFactors) and isinstance(f, tuple)
+    assert f.batch_shape == (2, 3) and f.n == 6 and f.device == diag.device
+    assert f.dtype == torch.float64
+    assert f.lu.shape == (2, 3, 4, 6) and f.pivots.shape == (2, 3, 6)
+    assert f.pivots.dtype == torch.int32
+    assert f.lower is lower and f.diag is diag and f.upper is upper  # kept, not copied
+    # the pivots are LAPACK's: each row is interchanged with itself or the next (1-based)
+    rows = torch.arange(1, 7, dtype=torch.int32)
+    assert bool(((f.pivots == rows) | (f.pivots == rows + 1)).all())
+
+
+def test_factors_broadcast_against_a_batched_rhs():
+    """One matrix, a batch of right-hand sides: the factors broadcast like the bands."""
+    lower, diag, upper, _ = make_system(5, (1,), seed=2)
+    rhs = torch.randn(4, 5, dtype=torch.float64)
+    x = factored(lower, diag, upper, rhs)
+    assert x.shape == (4, 5)
+    assert_close(x, dense(lower, diag, upper, rhs))
+
+
+def test_inputs_are_not_modified():
+    args = make_system(6, (2,), 2, dtype=torch.complex128, seed=3)
+    copies = [a.clone() for a in args]
+    f = tridiagonal_lu_factor(*args[:3])
+    lu, pivots = f.lu.clone(), f.pivots.clone()
+    for trans in TRANS:
+        tridiagonal_lu_solve(f, args[3], trans)
+    for a, c in zip(args, copies):
+        torch.testing.assert_close(a, c, rtol=0, atol=0)
+    torch.testing.assert_close(f.lu, lu, rtol=0, atol=0)
+    torch.testing.assert_close(f.pivots, pivots, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("kernel", ["lapack", "torch"])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.complex128], ids=str)
+@pytest.mark.parametrize("trans", TRANS)
+def test_gradcheck_through_the_factors(kernel, dtype, trans):
+    """Reverse, forward and second-order derivatives with respect to the bands and rhs."""
+    args = make_system(5, (2,), 2, dtype=dtype, requires_grad=True, seed=4)
+    with kernel_context(kernel):
+        assert gradcheck(lambda *a: factored(*a, trans), args, check_forward_ad=True)
+        assert gradgradcheck(lambda *a: factored(*a, trans), args)
+
+
+@pytest.mark.parametrize("trans", TRANS)
+def test_gradients_match_dense(trans):
+    args = make_system(6, (3,), 2, dtype=torch.complex128, requires_grad=True, seed=5)
+
+    def loss(x):
+        return x.abs().pow(2).sum()
+
+    got = torch.autograd.grad(loss(factored(*args, trans)), args)
+    expected = torch.autograd.grad(loss(dense(*args, trans)), args)
+    for g, e in zip(got, expected):
+        assert_close(g, e)
+
+
+def test_only_rhs_differentiable_when_the_bands_are_constant():
+    lower, diag, upper, rhs = make_system(6, seed=6)
+    f = tridiagonal_lu_factor(lower, diag, upper)
+    rhs.requires_grad_()
+    x = tridiagonal_lu_solve(f, rhs)
+    (g,) = torch.autograd.grad(x.sum(), rhs)
+    assert_close(g, dense(lower, diag, upper, torch.ones(6, dtype=torch.float64), "T"))
+
+
+def test_torch_func_transforms_through_the_factors():
+    lower, diag, upper, rhs = make_system(5, seed=7)
+
+    def f(d, b):
+        return factored(lower, d, upper, b).pow(2).sum()
+
+    def f_dense(d, b):
+        return dense(lower, d, upper, b).pow(2).sum()
+
+    for transform in (grad, jacrev, jacfwd):
+        for argnums in (0, 1):
+            assert_close(transform(f, argnums=argnums)(diag, rhs),
+                         transform(f_dense, argnums=argnums)(diag, rhs))
+    assert_close(hessian(f, argnums=1)(diag, rhs), hessian(f_dense, argnums=1)(diag, rhs))
+    assert_close(jvp(f, (diag, rhs), (torch.ones_like(diag), rhs))[1],
+                 jvp(f_dense, (diag, rhs), (torch.ones_like(diag), rhs))[1])
+    diags = diag + 0.1 * torch.arange(3, dtype=torch.float64)[:, None]
+    assert_close(vmap(grad(f), in_dims=(0, None))(diags, rhs),
+                 vmap(grad(f_dense), in_dims=(0, None))(diags, rhs))
+
+
+def test_forward_over_forward_raises_instead_of_a_wrong_answer():
+    lower, diag, upper, rhs = make_system(5, seed=8)
+    with pytest.raises(NotImplementedError, match="forward-mode AD nested in forward-mode"):
+        jacfwd(jacfwd(lambda b: factored(lower, diag, upper, b)))(rhs)
+
+
+@pytest.mark.parametrize("in_dims", [(None, 0), (0, 0), (0, None)],
+                         ids=["rhs-only", "both", "factors-only"])
+def test_vmap_over_factors_and_rhs(in_dims):
+    lower, diag, upper, _ = make_system(6, (4,), seed=9)
+    rhs = torch.randn(4, 6, 2, dtype=torch.float64)
+    f = tridiagonal_lu_factor(lower, diag, upper)
+    if in_dims[0] is None:
+        f = tridiagonal_lu_factor(lower[0], diag[0], upper[0])
+    if in_dims[1] is None:
+        rhs = rhs[0]
+    x = vmap(tridiagonal_lu_solve, in_dims=in_dims)(f, rhs)
+    loop = torch.stack([tridiagonal_lu_solve(
+        f if in_dims[0] is None else TridiagonalFactors(*(t[i] for t in f)),
+        rhs if in_dims[1] is None else rhs[i]) for i in range(4)])
+    assert_close(x, loop)
+
+
+@pytest.mark.parametrize("solve", ["tridiagonal_solve", "tridiagonal_lu_solve"])
+def test_vmap_over_the_rhs_alone_is_one_solve_with_more_columns(monkeypatch, solve):
+    """JAX's batching rule: a batch that only rhs has becomes its columns (no copies of A)."""
+    lower, diag, upper, _ = make_system(6, seed=10)
+    rhs = torch.randn(5, 6, 2, dtype=torch.float64)
+    seen = []
+    for name, rhs_position in (("solve", 3), ("factor_solve", 2)):
+        original = getattr(lapack, name)
+
+        def spy(*a, _f=original, _i=rhs_position, **k):
+            seen.append(a[_i].shape)
+            return _f(*a, **k)
+        monkeypatch.setattr(lapack, name, spy)
+    if solve == "tridiagonal_solve":
+        x = vmap(lambda b: tridiagonal_solve(lower, diag, upper, b))(rhs)
+    else:
+        f = tridiagonal_lu_factor(lower, diag, upper)
+        x = vmap(lambda b: tridiagonal_lu_solve(f, b))(rhs)
+    assert seen == [(6, 10)]  # one call: 2 columns x 5 batch elements, bands unbatched
+    assert_close(x, dense(lower, diag, upper, rhs))
+
+
+def test_vmap_fold_keeps_gradients_right():
+    args = make_system(6, dtype=torch.float64, seed=11)
+    rhs = torch.randn(3, 6, dtype=torch.float64)
+
+    def loss(d, b):
+        return vmap(lambda r: tridiagonal_solve(args[0], d, args[2], r))(b).pow(2).sum()
+
+    def loss_dense(d, b):
+        return dense(args[0], d, args[2], b.T).pow(2).sum()  # the batch as columns
+
+    for argnums in (0, 1):
+        assert_close(grad(loss, argnums=argnums)(args[1], rhs),
+                     grad(loss_dense, argnums=argnums)(args[1], rhs))
+
+
+@pytest.mark.parametrize("where", ["factor-inside", "factors-as-input"])
+def test_compile_fullgraph_forward_and_backward(where):
+    torch._dynamo.reset()
+    args = make_system(6, (2,), dtype=torch.float64, requires_grad=True, seed=12)
+    f_outside = tridiagonal_lu_factor(*args[:3])
+
+    def step(lower, diag, upper, rhs):
+        f = tridiagonal_lu_factor(lower, diag, upper) if where == "factor-inside" else f_outside
+        u = rhs
+        for _ in range(3):
+            u = tridiagonal_lu_solve(f, u)
+        return u.pow(2).sum()
+
+    compiled = torch.compile(step, fullgraph=True)
+    explanation = torch._dynamo.explain(step)(*args)
+    assert explanation.graph_break_count == 0
+    value = compiled(*args)
+    got = torch.autograd.grad(value, args)
+    expected = torch.autograd.grad(step(*args), args)
+    for g, e in zip(got, expected):
+        assert_close(g, e)
+
+
+def test_backward_skips_band_gradients_nobody_asked_for(monkeypatch):
+    """ctx.needs_input_grad: with only rhs requiring grad, no band gradient is computed."""
+    calls = []
+    original = rules.band_gradients
+    monkeypatch.setattr(rules, "band_gradients",
+                        lambda *a, **k: calls.append(1) or original(*a, **k))
+    lower, diag, upper, rhs = make_system(6, (2,), seed=13)
+    rhs.requires_grad_()
+    (g,) = torch.autograd.grad(tridiagonal_solve(lower, diag, upper, rhs).sum(), rhs)
+    assert calls == []
+    assert_close(g, dense(lower, diag, upper, torch.ones_like(rhs), "T"))
+    diag.requires_grad_()
+    torch.autograd.grad(tridiagonal_solve(lower, diag, upper, rhs).sum(), (diag, rhs))
+    assert calls == [1]
+    calls.clear()
+    torch.autograd.grad(torch.compile(tridiagonal_solve, fullgraph=True)(
+        lower, diag.detach(), upper, rhs).sum(), rhs)
+    assert calls == []
+
+
+def test_singular_matrix_raises_at_factor_time():
+    lower, diag, upper, _ = make_system(4, (3,), seed=14)
+    diag[2, 1], lower[2, 0], lower[2, 1], upper[2, 0], upper[2, 1] = 0, 0, 0, 0, 0
+    with pytest.raises(torch.linalg.LinAlgError,
+                       match=r"pivot U\[1, 1\] is exactly zero, in batch element \(2,\)$"):
+        tridiagonal_lu_factor(lower, diag, upper)
+
+
+def test_errors_name_the_problem():
+    lower, diag, upper, rhs = make_system(4, seed=15)
+    f = tridiagonal_lu_factor(lower, diag, upper)
+    with pytest.raises(TypeError, match="factors must be the TridiagonalFactors"):
+        tridiagonal_lu_solve((lower, diag, upper), rhs)
+    with pytest.raises(ValueError, match="trans must be 'N'.*got 'X'"):
+        tridiagonal_lu_solve(f, rhs, "X")
+    with pytest.raises(ValueError, match="do not fit their bands"):
+        tridiagonal_lu_solve(f._replace(lu=f.lu[..., :3, :]), rhs)
+    with pytest.raises(ValueError, match="rhs must have n = 4 rows"):
+        tridiagonal_lu_solve(f, torch.ones(5, dtype=torch.float64))
+    with pytest.raises(TypeError, match="same dtype"):
+        tridiagonal_lu_solve(f, rhs.float())
+    with pytest.raises(ValueError, match="tridiagonal_lu_factor: with n = diag.shape"):
+        tridiagonal_lu_factor(lower[:2], diag, upper)
+    with pytest.raises(TypeError, match="tridiagonal_lu_factor: dtype torch.int64"):
+        tridiagonal_lu_factor(lower.long(), diag.long(), upper.long())
+
+
+def test_torch_kernel_factors_do_not_factor_again_in_the_backward(monkeypatch):
+    from tridiag_tutorial import torch_kernel
+    args = make_system(6, (2,), dtype=torch.float64, requires_grad=True, seed=16)
+    with kernel_context("torch"):
+        f = tridiagonal_lu_factor(*args[:3])
+        calls = []
+        original = torch_kernel.factor
+        monkeypatch.setattr(torch_kernel, "factor", lambda *a: calls.append(1) or original(*a))
+        x = tridiagonal_lu_solve(f, args[3])
+        torch.autograd.grad(x.sum(), args)
+    assert calls == []
+    assert ops._pure_torch is torch_kernel
