@@ -4,7 +4,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed-stamp
 
-.PHONY: test unit nbval book book-check clean
+.PHONY: test check lint unit nbval book book-check clean
 
 $(STAMP): requirements-pinned.txt pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -12,7 +12,14 @@ $(STAMP): requirements-pinned.txt pyproject.toml
 	$(PY) -m pip install --quiet --no-deps --no-build-isolation -e .
 	touch $(STAMP)
 
-test: unit nbval
+test: lint unit nbval
+
+# The edit-test loop: the library's unit tests alone (no book build, no notebooks), under a minute.
+check: $(STAMP)
+	$(PY) -m pytest tests -q -m "not book"
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
 
 unit: $(STAMP)
 	$(PY) -m pytest tests

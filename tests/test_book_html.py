@@ -24,6 +24,8 @@ from bs4 import BeautifulSoup
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import browser_check  # noqa: E402  (a helper module next to this file)
 
+pytestmark = pytest.mark.book
+
 REPO = Path(__file__).resolve().parents[1]
 CONFIG = yaml.safe_load((REPO / "_config.yml").read_text())
 ROOT, PAGES, CHAPTERS = browser_check.toc_pages(REPO / "_toc.yml")

@@ -37,3 +37,33 @@ def test_transform_depths_are_detected():
     jvp(lambda y: jvp(record("jvp(jvp)"), (y,), (y,))[1], (x,), (x,))
     assert seen == {"none": (0, 0), "grad": (1, 0), "jvp": (1, 1), "vmap(grad)": (1, 0),
                     "jvp(grad)": (2, 1), "jvp(jvp)": (2, 2)}
+
+
+def test_fast_path_detectors_see_what_they_name():
+    """Each check the fast path relies on answers True exactly where it says it does."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Passthrough(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
+    x = torch.ones(3)
+    assert not _compat.mode_active()
+    with Passthrough():
+        assert _compat.mode_active()
+    with torch.overrides.TorchFunctionMode():
+        assert _compat.mode_active()
+
+    assert not _compat.transform_active()
+    seen = []
+    vmap(lambda t: seen.append((_compat.transform_active(), _compat.is_functorch_tensor(t))) or t)(
+        x.expand(2, 3))
+    grad(lambda t: seen.append((_compat.transform_active(), _compat.is_functorch_tensor(t)))
+         or t.sum())(x)
+    assert seen == [(True, True), (True, True)]
+    assert not _compat.is_functorch_tensor(x)
+
+    assert not _compat.forward_ad_active()
+    with torch.autograd.forward_ad.dual_level():
+        assert _compat.forward_ad_active()
+    assert not _compat.forward_ad_active()

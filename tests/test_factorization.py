@@ -11,8 +11,16 @@ import torch
 from torch.autograd import gradcheck, gradgradcheck
 from torch.func import grad, hessian, jacfwd, jacrev, jvp, vmap
 
-from tridiag_tutorial import (TridiagonalFactors, lapack, ops, rules, to_dense,
-                              tridiagonal_lu_factor, tridiagonal_lu_solve, tridiagonal_solve)
+from tridiag_tutorial import (
+    TridiagonalFactors,
+    lapack,
+    ops,
+    rules,
+    to_dense,
+    tridiagonal_lu_factor,
+    tridiagonal_lu_solve,
+    tridiagonal_solve,
+)
 
 from conftest import ALL_DTYPES, assert_close, kernel_context, make_system
 
@@ -281,3 +289,18 @@ def test_torch_kernel_factors_do_not_factor_again_in_the_backward(monkeypatch):
         torch.autograd.grad(x.sum(), args)
     assert calls == []
     assert ops._pure_torch is torch_kernel
+
+
+@pytest.mark.parametrize("kernel", ["lapack", "torch"])
+@pytest.mark.parametrize("where", ["rhs", "bands"])
+def test_non_finite_value_stays_in_its_own_system(kernel, where):
+    args = make_system(5, (4,), 2, seed=17)
+    if where == "rhs":
+        args[3][1, 2, 0] = float("nan")
+    else:
+        args[0][1, 2] = float("nan")
+    with kernel_context(kernel):
+        x = factored(*args, "T")
+    assert not torch.isfinite(x[1]).all()
+    others = [0, 2, 3]
+    assert_close(x[others], dense(*(a[others] for a in args), "T"))

@@ -7,8 +7,12 @@ import pytest
 import torch
 
 import tridiag_tutorial.finite_diff as fd
-from tridiag_tutorial.finite_diff import (central_difference, forward_difference,
-                                          numerical_gradient, optimal_step)
+from tridiag_tutorial.finite_diff import (
+    central_difference,
+    forward_difference,
+    numerical_gradient,
+    optimal_step,
+)
 
 F64 = torch.float64
 

@@ -7,9 +7,9 @@ from torch.autograd import gradcheck, gradgradcheck
 from tridiag_tutorial import dense_solve, tridiagonal_solve
 from tridiag_tutorial.autograd_function import tridiagonal_solve_function
 from tridiag_tutorial.custom_op import tridiagonal_solve_custom_op, tridiagonal_solve_op
-from tridiag_tutorial.ops import _factor_op, _kernel_op, _factors
+from tridiag_tutorial.ops import _factor_op, _factors, _kernel_op
 
-from conftest import assert_close, kernel_context, make_system
+from conftest import assert_close, make_system
 
 SHAPES = {  # (n, batch, k): vector and matrix rhs, batches, the small-n special cases
     "n1-vector": (1, (), None),

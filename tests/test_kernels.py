@@ -5,12 +5,17 @@ import pytest
 import torch
 from torch.autograd import gradcheck, gradgradcheck
 
-from tridiag_tutorial import (dense_solve, lapack, torch_kernel, tridiagonal_lu_factor,
-                              tridiagonal_lu_solve, tridiagonal_solve)
+from tridiag_tutorial import (
+    dense_solve,
+    lapack,
+    torch_kernel,
+    tridiagonal_lu_factor,
+    tridiagonal_lu_solve,
+    tridiagonal_solve,
+)
 from tridiag_tutorial.custom_op import torch_kernel_on_cpu
 
-from conftest import (ALL_DTYPES, assert_close, assert_grads_match_dense, kernel_context,
-                      make_system)
+from conftest import ALL_DTYPES, assert_close, assert_grads_match_dense, kernel_context, make_system
 
 CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
 

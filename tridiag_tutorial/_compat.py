@@ -13,9 +13,9 @@ from __future__ import annotations
 import torch
 from torch._C import _functorch
 from torch._C._functorch import TransformType
-from torch.autograd import forward_ad
 from torch._functorch.pyfunctorch import retrieve_all_functorch_interpreters
 from torch._functorch.utils import enable_single_level_autograd_function
+from torch.autograd import forward_ad
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 __all__ = ["SingleLevelFunction", "enable_single_level_autograd_function",

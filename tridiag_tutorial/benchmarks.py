@@ -37,7 +37,7 @@ import platform
 import statistics
 import sys
 import time
-from contextlib import contextmanager, nullcontext
+from contextlib import nullcontext
 from dataclasses import asdict, dataclass, field
 
 import numpy as np
@@ -46,8 +46,6 @@ import scipy.linalg
 import torch
 from scipy.linalg import get_lapack_funcs
 
-from . import ops
-from ._validation import validate
 from .autograd_function import tridiagonal_solve_function
 from .custom_op import torch_kernel_on_cpu, tridiagonal_solve_custom_op
 from .ops import tridiagonal_lu_factor, tridiagonal_lu_solve, tridiagonal_solve
@@ -75,17 +73,23 @@ class Result:
     error: str | None = None  # the exception, when the implementation failed on this case
 
 
-def _time(fn, min_time: float, repeats: int) -> tuple[float, list]:
-    fn()  # warm up (and compile)
-    number, elapsed = 1, 0.0
-    while True:  # calibrate: how many calls make one repeat last min_time
+def _calibrate(fn, min_time: float) -> tuple[int, float]:
+    """Warm up (and compile), then find how many calls make one repeat last ``min_time``:
+    ``(number, seconds those calls took)``."""
+    fn()
+    number = 1
+    while True:
         start = time.perf_counter()
         for _ in range(number):
             fn()
         elapsed = time.perf_counter() - start
         if elapsed >= min_time or number >= 10**6:
-            break
+            return number, elapsed
         number = max(number * 2, int(number * min_time / max(elapsed, 1e-9)))
+
+
+def _time(fn, min_time: float, repeats: int) -> tuple[float, list]:
+    number, elapsed = _calibrate(fn, min_time)
     times = [elapsed / number]
     for _ in range(repeats - 1):
         start = time.perf_counter()
@@ -93,6 +97,20 @@ def _time(fn, min_time: float, repeats: int) -> tuple[float, list]:
             fn()
         times.append((time.perf_counter() - start) / number)
     return statistics.median(times), times
+
+
+def _time_interleaved(fns: dict, min_time: float, repeats: int) -> dict:
+    """Median seconds per call of each of ``fns``, timed in alternation (A B, B A, A B, ...), one
+    repeat of each after the other, so that a change in the machine's load affects all alike."""
+    numbers = {key: _calibrate(fn, min_time)[0] for key, fn in fns.items()}
+    times = {key: [] for key in fns}
+    for r in range(repeats):
+        for key in (list(fns) if r % 2 == 0 else list(fns)[::-1]):
+            start = time.perf_counter()
+            for _ in range(numbers[key]):
+                fns[key]()
+            times[key].append((time.perf_counter() - start) / numbers[key])
+    return {key: statistics.median(t) for key, t in times.items()}
 
 
 def _problem(n: int, batch: int, dtype: torch.dtype, seed: int = 0, k: int | None = None):
@@ -271,12 +289,12 @@ def _stepper(n: int, batch: int, dtype, steps: int, factor_once: bool, mode: str
 
 
 def run_time_stepping(cases=STEP_CASES, steps=STEPS, dtypes=(torch.float64,), threads=(1,),
-                      min_time=0.2, repeats=7, log=print):
+                      min_time=0.2, repeats=15, log=print):
     """Time ``steps`` implicit steps, factoring once against solving every step.
 
-    Each strategy is timed twice, in the order once, every, every, once, and keeps the smaller of
-    its two medians, so a slow drift of the machine favours neither. Returns a list of dicts with
-    both times and ``ratio`` = factor once / solve every step.
+    The two strategies are timed in alternation (:func:`_time_interleaved`), so a change in the
+    machine's load favours neither. Returns a list of dicts with both median times and ``ratio`` =
+    factor once / solve every step.
     """
     rows = []
     default_threads = torch.get_num_threads()
@@ -287,12 +305,9 @@ def run_time_stepping(cases=STEP_CASES, steps=STEPS, dtypes=(torch.float64,), th
             for dtype in dtypes:
                 for n, batch in shapes:
                     for mode in ("forward", "backward"):
-                        fns = {once: _stepper(n, batch, dtype, steps, once, mode, kernel)
-                               for once in (True, False)}
-                        best = {}
-                        for once in (True, False, False, True):
-                            seconds, _ = _time(fns[once], min_time, repeats)
-                            best[once] = min(best.get(once, seconds), seconds)
+                        best = _time_interleaved(
+                            {once: _stepper(n, batch, dtype, steps, once, mode, kernel)
+                             for once in (True, False)}, min_time, repeats)
                         row = dict(kernel=kernel, dtype=str(dtype).replace("torch.", ""),
                                    threads=actual_threads, n=n, batch=batch, steps=steps,
                                    mode=mode, factor_once_seconds=best[True],
@@ -435,23 +450,31 @@ def main(argv=None):
     else:
         threads = tuple(None if t == "default" else int(t) for t in opts.threads.split(","))
         config = dict(min_time=opts.min_time, repeats=opts.repeats, threads=threads)
-        steps_config = dict(min_time=opts.min_time, repeats=opts.repeats, threads=threads)
+        steps_config = dict(min_time=opts.min_time, repeats=2 * opts.repeats + 1,
+                            threads=threads)
     earlier = {"results": [], "time_stepping": []}
-    kept = {}  # the merged file's keys that this suite no longer produces
+    kept, merged = {}, {}  # kept: the merged file's keys that this suite no longer produces
     if opts.merge:
         with open(opts.merge) as f:
             merged = json.load(f)
         earlier = {key: merged.get(key, []) for key in earlier}
         kept = {k: v for k, v in merged.items()
-                if k not in earlier and k not in ("machine", "config", "targets")}
+                if k not in earlier and k not in ("machine", "config", "targets",
+                                                  "time_stepping_machine", "time_stepping_config")}
         if opts.steps_only:
             earlier["time_stepping"] = []
 
     def write(results, steps=()):
         results = earlier["results"] + results
-        report = {"machine": machine_info(), "config": {k: str(v) for k, v in config.items()},
+        machine = machine_info()
+        this_config = {k: str(v) for k, v in config.items()}
+        report = {"machine": merged.get("machine", machine) if opts.steps_only else machine,
+                  "config": merged.get("config", this_config) if opts.steps_only else this_config,
                   "results": results, "targets": evaluate_targets(results),
                   "time_stepping": earlier["time_stepping"] + list(steps), **kept}
+        if steps:
+            report["time_stepping_machine"] = machine
+            report["time_stepping_config"] = {k: str(v) for k, v in steps_config.items()}
         with open(opts.out, "w") as f:
             json.dump(report, f, indent=1)
         return report

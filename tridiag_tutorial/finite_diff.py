@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import math
 import numbers
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -70,20 +70,8 @@ def central_difference(f: Callable, x, h: float):
     """Central-difference estimate of the derivative of ``f`` at ``x``.
 
     Computes ``(f(x + h) - f(x - h)) / (2 h)``. The even Taylor terms cancel, leaving a
-    truncation error of ``h**2/6 * |f'''(xi)|``: second order in ``h``.
-
-    Args:
-        f: a function of one argument; when ``x`` is a tensor (or NumPy array) ``f`` must act
-            elementwise, e.g. ``torch.sin``.
-        x: a Python/NumPy number, or a tensor of any shape (use float64).
-        h: the step, a positive real number.
-
-    Returns:
-        The estimate, with the type and shape of ``f(x)``.
-
-    Raises:
-        TypeError: if ``h`` is not a real number.
-        ValueError: if ``h`` is not positive and finite.
+    truncation error of ``h**2/6 * |f'''(xi)|``: second order in ``h``. Arguments, result and
+    errors are those of :func:`forward_difference`.
 
     Example:
         >>> x = torch.tensor([0.0, 1.0, 2.0], dtype=torch.float64)

@@ -257,27 +257,38 @@ def factor_solve(lu: np.ndarray, pivots: np.ndarray, rhs: np.ndarray, trans: str
     is not finite). Returns a new C-contiguous array; the inputs are left unchanged.
     """
     batch, n = lu.shape[:-2], lu.shape[-1]
-    size = int(np.prod(batch))
     if rhs.size == 0:
         return np.empty(rhs.shape, dtype=rhs.dtype)
+    if not batch and n >= 3:  # one system: ?gttrs straight on views of the factors' rows
+        if trans not in ("N", "T", "C"):
+            raise ValueError(f"gttrs: trans must be 'N', 'T' or 'C', got {trans!r}")
+        (routine,) = get_lapack_funcs(("gttrs",), (lu,))
+        x, info = routine(lu[0, : n - 1], lu[1], lu[2, : n - 1], lu[3, : n - 2], pivots, rhs,
+                          trans=trans)
+        _check_info(info, routine.typecode + "gttrs")
+        return np.ascontiguousarray(x)
+    size = int(np.prod(batch))
     flat_lu, flat_piv = lu.reshape(size, 4, n), pivots.reshape(size, n)
     flat_rhs = rhs.reshape(size, n, rhs.shape[-1])
-    groups = [np.arange(size)]
-    if size > 1 and not (np.isfinite(lu).all() and np.isfinite(rhs).all()):
-        groups = [np.array([i]) for i in range(size)]
-    x = np.empty(flat_rhs.shape, dtype=rhs.dtype)
-    for systems in groups:
-        m = systems.size * n
-        rows = flat_lu[systems].transpose(1, 0, 2).reshape(4, m)
-        offsets = np.repeat(np.arange(systems.size, dtype=np.int32) * n, n)
-        ipiv = flat_piv[systems].reshape(m) + offsets
-        factors = LUFactors(rows[0, : m - 1], rows[1], rows[2, : m - 1], rows[3, : max(m - 2, 0)],
-                            ipiv, m)
-        if m < 3:  # SciPy's ?gttrs wrapper needs 3 rows: embed in identity rows, as gttrf did
-            factors = _pad_factors(factors)
-        x[systems] = gttrs(factors, flat_rhs[systems].reshape(m, -1), trans).reshape(
-            systems.size, n, -1)
+    x = _factor_solve_joined(flat_lu, flat_piv, flat_rhs, trans)
+    if size > 1 and not np.isfinite(x).all():  # keep non-finite values inside their own system
+        for i in range(size):
+            x[i] = _factor_solve_joined(flat_lu[i:i + 1], flat_piv[i:i + 1], flat_rhs[i:i + 1],
+                                        trans)[0]
     return x.reshape(rhs.shape)
+
+
+def _factor_solve_joined(lu, pivots, rhs, trans):
+    """:func:`factor_solve` of ``size`` systems (``lu`` ``(size, 4, n)``) in one ``?gttrs`` call."""
+    size, _, n = lu.shape
+    m = size * n
+    rows = lu.transpose(1, 0, 2).reshape(4, m)
+    ipiv = pivots.reshape(m) + np.repeat(np.arange(size, dtype=np.int32) * n, n)
+    factors = LUFactors(rows[0, : m - 1], rows[1], rows[2, : m - 1], rows[3, : max(m - 2, 0)],
+                        ipiv, m)
+    if m < 3:  # SciPy's ?gttrs wrapper needs 3 rows: embed in identity rows, as gttrf did
+        factors = _pad_factors(factors)
+    return gttrs(factors, rhs.reshape(m, -1), trans).reshape(size, n, -1)
 
 
 def _pad_factors(f: LUFactors) -> LUFactors:

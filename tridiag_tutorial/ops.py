@@ -48,9 +48,10 @@ the choice its forward made and its backward and ``jvp`` run on the same kernel.
 Factor reuse. On the pure-torch kernel (every device but the CPU) factoring costs about twice
 a solve with the factors, so when a backward pass will follow, the public function factors
 ``A = LU`` once (:func:`tridiagonal_lu_factor`'s op) and the backward solves ``A^H v = g`` from
-the same factors. With LAPACK it does not pay: ``?gtsv`` factors and solves in one sweep, and
-``?gttrf`` + two ``?gttrs`` cost about as much as two ``?gtsv`` or more (chapter 9 shows the
-measurement), so the backward calls ``?gtsv`` with ``A^H``.
+the same factors. With LAPACK it does not pay: ``?gtsv`` factors and solves in one sweep, so
+``?gttrf`` + two ``?gttrs`` do nearly the work of two ``?gtsv``, and over a whole forward and
+backward keeping the factors was slower in most cases measured and at best about 10% faster
+(chapters 7 and 9 show the measurements); the backward calls ``?gtsv`` with ``A^H``.
 
 Factorization as a feature: :func:`tridiagonal_lu_factor` returns :class:`TridiagonalFactors`, and
 :func:`tridiagonal_lu_solve` solves with ``A``, ``A^T`` or ``A^H`` from them, for a matrix that
@@ -61,7 +62,7 @@ The bands travel beside the factors, so gradients reach them through the same ru
 
 from __future__ import annotations
 
-from typing import NamedTuple, Optional
+from typing import NamedTuple
 
 import torch
 
@@ -174,6 +175,24 @@ def _band_grads_and_rhs(solve, needs, lower, diag, upper, x, grad_x):
     return None, None, None, v
 
 
+def _backward(solve, ctx, grad_x):
+    """Both paths' backward: ``solve(lower, diag, upper, rhs, lu, pivots, trans)`` solves with
+    ``M^H`` from the saved factors (or from ``M^H``'s bands when there are none)."""
+    lower, diag, upper, x, lu, pivots = ctx.saved_tensors
+    lu, pivots, trans = _adjoint(lu, pivots, ctx.trans)
+    grads = _band_grads_and_rhs(lambda l, d, u, r: solve(l, d, u, r, lu, pivots, trans),
+                                ctx.needs_input_grad[:3], lower, diag, upper, x, grad_x)
+    return (*grads, None, None, None, None)
+
+
+def _jvp(solve, ctx, tangents):
+    """Both paths' ``jvp``: ``dx = M^{-1} (d_rhs - dM x)``, solving with the saved factors."""
+    _check_not_forward_over_forward()
+    lower, diag, upper, x, lu, pivots = ctx.saved_tensors
+    return rules.solve_jvp(lambda l, d, u, r: solve(l, d, u, r, lu, pivots, ctx.trans),
+                           lower, diag, upper, x, *tangents)
+
+
 # --------------------------------------------------------------------------------------------
 # The eager path: an autograd.Function that torch.func and forward-mode AD understand.
 # --------------------------------------------------------------------------------------------
@@ -198,30 +217,19 @@ class _TridiagonalSolve(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_x):
-        lower, diag, upper, x, lu, pivots = ctx.saved_tensors
         if grad_x is None:  # grads are not materialised: x was not used by the loss
             return (None,) * 8
-        adjoint = _adjoint(lu, pivots, ctx.trans)
         plain = not torch.is_grad_enabled() and not _compat.forward_ad_active()
-        if plain and _direct(grad_x, x, lower, diag, upper, lu, pivots):
+        if plain and _direct(grad_x, *ctx.saved_tensors):
             # First-order backward, not itself differentiated: call the kernels directly.
-            def solve(l, d, u, r):
-                return _kernel(l, d, u, r, *adjoint, ctx.torch_kernel)
-        else:  # solve through the differentiable Function, so higher derivatives work
-            def solve(l, d, u, r):
-                return _TridiagonalSolve.apply(l, d, u, r, *adjoint, ctx.torch_kernel)
-        grads = _band_grads_and_rhs(solve, ctx.needs_input_grad[:3], lower, diag, upper, x,
-                                    grad_x)
-        return (*grads, None, None, None, None)
+            return _backward(lambda *a: _kernel(*a, ctx.torch_kernel), ctx, grad_x)
+        # Solve through the differentiable Function, so higher derivatives work.
+        return _backward(lambda *a: _TridiagonalSolve.apply(*a, ctx.torch_kernel), ctx, grad_x)
 
     @staticmethod
     def jvp(ctx, d_lower, d_diag, d_upper, d_rhs, *_):
-        _check_not_forward_over_forward()
-        lower, diag, upper, x, lu, pivots = ctx.saved_tensors
-
-        def solve(l, d, u, r):
-            return _TridiagonalSolve.apply(l, d, u, r, lu, pivots, ctx.trans, ctx.torch_kernel)
-        return rules.solve_jvp(solve, lower, diag, upper, x, d_lower, d_diag, d_upper, d_rhs)
+        return _jvp(lambda *a: _TridiagonalSolve.apply(*a, ctx.torch_kernel), ctx,
+                    (d_lower, d_diag, d_upper, d_rhs))
 
     @staticmethod
     def vmap(info, in_dims, lower, diag, upper, rhs, lu, pivots, trans, torch_kernel):
@@ -255,7 +263,7 @@ def _check_not_forward_over_forward() -> None:
 # --------------------------------------------------------------------------------------------
 @torch.library.custom_op("tridiag_tutorial::solve_kernel", mutates_args=())
 def _kernel_op(lower: torch.Tensor, diag: torch.Tensor, upper: torch.Tensor, rhs: torch.Tensor,
-               lu: Optional[torch.Tensor], pivots: Optional[torch.Tensor], trans: str,
+               lu: torch.Tensor | None, pivots: torch.Tensor | None, trans: str,
                torch_kernel: bool) -> torch.Tensor:
     """The kernel alone (no autograd): what the compiled graph calls, forward and backward."""
     return _kernel(lower, diag, upper, rhs, lu, pivots, trans, torch_kernel)
@@ -331,23 +339,12 @@ class _CompiledSolve(_compat.SingleLevelFunction):
 
     @staticmethod
     def backward(ctx, grad_x):
-        lower, diag, upper, x, lu, pivots = ctx.saved_tensors
-        lu, pivots, trans = _adjoint(lu, pivots, ctx.trans)
-
-        def solve(l, d, u, r):
-            return _compiled_op(l, d, u, r, lu, pivots, trans, ctx.torch_kernel)
-        grads = _band_grads_and_rhs(solve, ctx.needs_input_grad[:3], lower, diag, upper, x,
-                                    grad_x)
-        return (*grads, None, None, None, None)
+        return _backward(lambda *a: _compiled_op(*a, ctx.torch_kernel), ctx, grad_x)
 
     @staticmethod
     def jvp(ctx, d_lower, d_diag, d_upper, d_rhs, *_):
-        _check_not_forward_over_forward()
-        lower, diag, upper, x, lu, pivots = ctx.saved_tensors
-
-        def solve(l, d, u, r):
-            return _compiled_op(l, d, u, r, lu, pivots, ctx.trans, ctx.torch_kernel)
-        return rules.solve_jvp(solve, lower, diag, upper, x, d_lower, d_diag, d_upper, d_rhs)
+        return _jvp(lambda *a: _compiled_op(*a, ctx.torch_kernel), ctx,
+                    (d_lower, d_diag, d_upper, d_rhs))
 
 
 _NESTED_UNDER_COMPILE = (

@@ -27,7 +27,7 @@ matrix right-hand side: ``lower``, ``upper`` ``(*batch, n-1)``, ``diag`` ``(*bat
 
 from __future__ import annotations
 
-from typing import Callable, Optional
+from collections.abc import Callable
 
 import torch
 
@@ -73,8 +73,8 @@ def solve_backward(solve: Solve, lower, diag, upper, x, grad_x):
 
 
 def solve_jvp(solve: Solve, lower, diag, upper, x,
-              d_lower: Optional[torch.Tensor], d_diag: Optional[torch.Tensor],
-              d_upper: Optional[torch.Tensor], d_rhs: Optional[torch.Tensor]) -> torch.Tensor:
+              d_lower: torch.Tensor | None, d_diag: torch.Tensor | None,
+              d_upper: torch.Tensor | None, d_rhs: torch.Tensor | None) -> torch.Tensor:
     """Forward mode: ``dx = A^{-1} (d_rhs - dA x)``; a ``None`` tangent counts as zero."""
     residual = -tridiag_matmul(d_lower, d_diag, d_upper, x)
     if d_rhs is not None:
