@@ -74,10 +74,23 @@ def _statements(body):
             yield from _statements(getattr(stmt, field, []) or [])
 
 
+def _calls(node):
+    """Names of the functions a node calls (``f(...)``, ``obj.f(...)``)."""
+    out = set()
+    for n in ast.walk(node):
+        if isinstance(n, ast.Call):
+            func = n.func
+            out.add(func.id if isinstance(func, ast.Name) else getattr(func, "attr", None))
+    return out
+
+
 def timing_asserts(cells):
     """Indices of code cells that assert on a value measured with a clock, in this or an earlier
-    cell: names bound by a statement that calls a timer, and names computed from those."""
-    timed, found = set(), []
+    cell: names bound by a statement that calls a timer (a clock, or a function of the notebook
+    whose body calls one), and names computed from those. A cell is flagged when an ``assert``
+    reads such a name, or when a cell that asserts lets such a name steer it (an ``if`` or
+    ``while`` test: "measure again until it is fast enough, else fail")."""
+    timed, timer_functions, found = set(), set(), []
     for index, cell in enumerate(cells):
         if cell["cell_type"] != "code":
             continue
@@ -87,15 +100,29 @@ def timing_asserts(cells):
             tree = ast.parse(source)
         except SyntaxError:
             continue
+        for node in ast.walk(tree):  # functions that time something are timers themselves
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                body = ast.Module(body=node.body, type_ignores=[])
+                if TIMERS.search(ast.unparse(body)) or _calls(body) & timer_functions:
+                    timer_functions.add(node.name)
+        asserts, steering = False, set()
         flagged = False
         for stmt in _statements(tree.body):
             if isinstance(stmt, ast.Assert):
+                asserts = True
                 flagged |= bool(_names(stmt.test) & timed)
+            elif isinstance(stmt, (ast.If, ast.While)):
+                steering |= _names(stmt.test)
             elif isinstance(stmt, (ast.Assign, ast.AugAssign, ast.AnnAssign, ast.Expr)):
                 value = stmt.value if stmt.value is not None else stmt
-                if TIMERS.search(ast.unparse(value)) or _names(value) & timed:
+                if (TIMERS.search(ast.unparse(value)) or _calls(value) & timer_functions
+                        or _names(value) & timed):
                     timed |= _bound_names(stmt)
-        if flagged:
+                elif isinstance(stmt, ast.Assign):  # a name bound again to an untimed value
+                    timed -= {t.id for target in stmt.targets
+                              for t in (target.elts if isinstance(target, ast.Tuple) else [target])
+                              if isinstance(t, ast.Name)}
+        if flagged or (asserts and steering & timed):
             found.append(index)
     return found
 

@@ -304,3 +304,14 @@ def test_non_finite_value_stays_in_its_own_system(kernel, where):
     assert not torch.isfinite(x[1]).all()
     others = [0, 2, 3]
     assert_close(x[others], dense(*(a[others] for a in args), "T"))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+def test_cuda_factors_solve_and_differentiate():
+    args = [a.cuda().requires_grad_() for a in make_system(9, (3,), 2, seed=18)]
+    f = tridiagonal_lu_factor(*args[:3])
+    assert f.lu.device.type == "cuda" and f.pivots.device.type == "cuda"
+    for trans in TRANS:
+        x = tridiagonal_lu_solve(f, args[3], trans)
+        assert_close(x.cpu(), dense(*(a.detach().cpu() for a in args), trans))
+    assert gradcheck(lambda *a: factored(*a, "C"), args, check_forward_ad=True)

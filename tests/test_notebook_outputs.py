@@ -43,3 +43,24 @@ def test_flags(source, text):
 ])
 def test_passes(source, text):
     assert not list(check.cell_problems(0, cell(source, text)))
+
+
+def code(source):
+    return {"cell_type": "code", "source": source, "outputs": []}
+
+
+@pytest.mark.parametrize("cells, flagged", [
+    # a timer defined in the notebook, a value measured with it, an assert two cells later
+    (["def measure():\n    return timeit.timeit(f, number=3)", "t = measure()", "assert t < 1"], [2]),
+    # a timer of a timer, and an assert steered by the timing: retry until fast enough, else fail
+    (["def rounds():\n    return time.perf_counter()",
+      "def time_steps():\n    return {'a': rounds()}", "step = time_steps()",
+      "for attempt in range(3):\n    if step['a'] > 1.25:\n        break\n    assert attempt < 2"],
+     [3]),
+    # timing printed, an unrelated assert: fine
+    (["t = time.perf_counter()", "print(t)\nassert 1 + 1 == 2"], []),
+    # a timed name bound again to data before the assert: fine
+    (["x = time.perf_counter()", "x = solve(a)\nassert x.sum() > 0"], []),
+])
+def test_timing_asserts_across_cells(cells, flagged):
+    assert check.timing_asserts([code(c) for c in cells]) == flagged

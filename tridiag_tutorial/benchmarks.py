@@ -259,17 +259,18 @@ def run(sizes=SINGLE_SIZES, batches=BATCHES, dtypes=(torch.float32, torch.float6
 
 # The time-stepping experiment: one fixed matrix, many solves; factoring once against solving
 # from the bands every step (the application chapter renders it).
-STEP_CASES = {  # kernel -> (n, batch)
-    "LAPACK": [(1000, 0), (10**5, 0), (256, 64)],
-    "pure-torch kernel": [(32, 256)],
+STEP_CASES = {  # kernel -> (n, batch, k): k right-hand sides per system, None for a vector
+    "LAPACK": [(1000, 0, None), (1000, 0, 6), (10**5, 0, None), (256, 64, None)],
+    "pure-torch kernel": [(32, 256, None)],
 }
 STEPS = 20
 
 
-def _stepper(n: int, batch: int, dtype, steps: int, factor_once: bool, mode: str, kernel: str):
+def _stepper(n: int, batch: int, dtype, steps: int, factor_once: bool, mode: str, kernel: str,
+             k: int | None = None):
     """One simulation of ``steps`` implicit steps; the bands and the initial state require grad
     in ``backward`` mode, whose loss is the sum of the last state."""
-    lower, diag, upper, u0 = _problem(n, batch, dtype)
+    lower, diag, upper, u0 = _problem(n, batch, dtype, k=k)
     context = CONTEXTS.get(kernel, nullcontext)
     args = [t.detach().requires_grad_(mode == "backward") for t in (lower, diag, upper, u0)]
 
@@ -303,18 +304,18 @@ def run_time_stepping(cases=STEP_CASES, steps=STEPS, dtypes=(torch.float64,), th
         actual_threads = torch.get_num_threads()
         for kernel, shapes in cases.items():
             for dtype in dtypes:
-                for n, batch in shapes:
+                for n, batch, k in shapes:
                     for mode in ("forward", "backward"):
                         best = _time_interleaved(
-                            {once: _stepper(n, batch, dtype, steps, once, mode, kernel)
+                            {once: _stepper(n, batch, dtype, steps, once, mode, kernel, k)
                              for once in (True, False)}, min_time, repeats)
                         row = dict(kernel=kernel, dtype=str(dtype).replace("torch.", ""),
-                                   threads=actual_threads, n=n, batch=batch, steps=steps,
+                                   threads=actual_threads, n=n, batch=batch, k=k or 1, steps=steps,
                                    mode=mode, factor_once_seconds=best[True],
                                    every_step_seconds=best[False], ratio=best[True] / best[False])
                         rows.append(row)
                         log(f"  steps  {kernel:17s} {row['dtype']:8s} threads={actual_threads} "
-                            f"n={n:>7d} batch={batch:>5d} {mode:8s}: factor once "
+                            f"n={n:>7d} batch={batch:>5d} k={k or 1} {mode:8s}: factor once "
                             f"{best[True] * 1e3:9.2f} ms, every step {best[False] * 1e3:9.2f} ms, "
                             f"ratio {row['ratio']:.3f}")
     torch.set_num_threads(default_threads)
@@ -416,11 +417,11 @@ def format_table(results, targets) -> str:
 
 def format_steps_table(rows) -> str:
     lines = ["Time stepping: factor once / solve every step (< 1: factoring once is faster)",
-             f"{'kernel':17s} {'dtype':8s} {'thr':>3s} {'n':>7s} {'batch':>5s} {'steps':>5s} "
+             f"{'kernel':17s} {'dtype':8s} {'thr':>3s} {'n':>7s} {'batch':>5s} {'k':>2s} {'steps':>5s} "
              f"{'mode':8s} {'once':>10s} {'every':>10s} {'ratio':>6s}"]
     for r in rows:
         lines.append(f"{r['kernel']:17s} {r['dtype']:8s} {r['threads']:>3d} {r['n']:>7d} "
-                     f"{r['batch']:>5d} {r['steps']:>5d} {r['mode']:8s} "
+                     f"{r['batch']:>5d} {r.get('k', 1):>2d} {r['steps']:>5d} {r['mode']:8s} "
                      f"{r['factor_once_seconds'] * 1e3:8.2f}ms {r['every_step_seconds'] * 1e3:8.2f}ms "
                      f"{r['ratio']:6.3f}")
     return "\n".join(lines)
@@ -445,7 +446,8 @@ def main(argv=None):
     if opts.quick:
         config = dict(sizes=[8, 100], batches=[(16, 8)], dtypes=(torch.float64,), threads=(1,),
                       min_time=0.001, repeats=3)
-        steps_config = dict(cases={"LAPACK": [(8, 0), (8, 16)], "pure-torch kernel": [(8, 4)]},
+        steps_config = dict(cases={"LAPACK": [(8, 0, None), (8, 16, 2)],
+                                   "pure-torch kernel": [(8, 4, None)]},
                             steps=3, threads=(1,), min_time=0.001, repeats=3)
     else:
         threads = tuple(None if t == "default" else int(t) for t in opts.threads.split(","))

@@ -70,7 +70,6 @@ from . import _compat, lapack, rules
 from . import torch_kernel as _pure_torch  # a module; "torch_kernel" below is the kernel choice
 from ._validation import validate, validate_bands
 from .custom_op import _numpy, _torch_kernel_on_cpu
-from .custom_op import _solve_kernel as _solve_kernel  # chapter 9 times it as ops._solve_kernel
 
 __all__ = ["tridiagonal_solve", "tridiagonal_lu_factor", "tridiagonal_lu_solve",
            "TridiagonalFactors"]
