@@ -315,3 +315,27 @@ def test_cuda_factors_solve_and_differentiate():
         x = tridiagonal_lu_solve(f, args[3], trans)
         assert_close(x.cpu(), dense(*(a.detach().cpu() for a in args), trans))
     assert gradcheck(lambda *a: factored(*a, "C"), args, check_forward_ad=True)
+
+
+@pytest.mark.parametrize("kernel", ["lapack", "torch"])
+def test_vmap_over_the_factorization_itself(kernel):
+    """The factor op's own vmap rule: one factorization of the whole batch."""
+    lower, diag, upper, rhs = make_system(6, (3,), seed=19)
+    with kernel_context(kernel):
+        x = vmap(lambda d, b: factored(lower[0], d, upper[0], b, "T"))(diag, rhs)
+    assert_close(x, dense(lower[0].expand(3, 5), diag, upper[0].expand(3, 5), rhs, "T"))
+
+
+def test_compile_fullgraph_on_the_pure_torch_kernel():
+    """On the kernel of other devices the compiled graph factors once for forward and backward."""
+    torch._dynamo.reset()
+    args = make_system(5, (2,), 2, dtype=torch.float64, requires_grad=True, seed=20)
+
+    def loss(*a):
+        return tridiagonal_solve(*a).pow(2).sum() + factored(*a, "C").pow(2).sum()
+
+    with kernel_context("torch"):
+        got = torch.autograd.grad(torch.compile(loss, fullgraph=True)(*args), args)
+        expected = torch.autograd.grad(loss(*args), args)
+    for g, e in zip(got, expected):
+        assert_close(g, e)
