@@ -5,7 +5,7 @@ import contextlib
 import pytest
 import torch
 
-from tridiag_tutorial import dense_solve
+from tridiag_tutorial import dense_solve, kernels
 from tridiag_tutorial.custom_op import torch_kernel_on_cpu
 
 # Tolerances for comparing a tridiagonal solve with the dense reference, keyed by dtype.
@@ -70,6 +70,14 @@ def make_system(n, batch=(), k=None, dtype=torch.float64, seed=0, dominant=False
     rhs = randn(*batch, n) if k is None else randn(*batch, n, k)
     out = [t.to(dtype) for t in (lower, diag, upper, rhs)]
     return [t.requires_grad_() for t in out] if requires_grad else out
+
+
+@pytest.fixture(autouse=True)
+def _lapack_unless_asked():
+    """Once a test has loaded the compiled kernel, the package would use it for every CPU batch:
+    tests run on LAPACK unless they ask for the compiled kernel (``kernels.use_compiled(True)``)."""
+    with kernels.use_compiled(False):
+        yield
 
 
 @pytest.fixture(autouse=True)

@@ -13,8 +13,8 @@ from torch.func import grad, hessian, jacfwd, jacrev, jvp, vmap
 
 from tridiag_tutorial import (
     TridiagonalFactors,
+    kernels,
     lapack,
-    ops,
     rules,
     to_dense,
     tridiagonal_lu_factor,
@@ -289,7 +289,7 @@ def test_torch_kernel_factors_do_not_factor_again_in_the_backward(monkeypatch):
         x = tridiagonal_lu_solve(f, args[3])
         torch.autograd.grad(x.sum(), args)
     assert calls == []
-    assert ops._pure_torch is torch_kernel
+    assert kernels._pure_torch is torch_kernel
 
 
 @pytest.mark.parametrize("kernel", ["lapack", "torch"])

@@ -20,80 +20,20 @@ that.
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
-
 import torch
 
-from . import lapack, rules, torch_kernel
+from . import kernels, rules
 from ._validation import validate
+from .kernels import torch_kernel_on_cpu as torch_kernel_on_cpu  # where chapters import it from
 
 __all__ = ["tridiagonal_solve_op", "tridiagonal_solve_custom_op", "torch_kernel_on_cpu"]
 
 
-# --------------------------------------------------------------------------------------------
-# The kernel (no autograd, no checks): four tensors of one batch shape, rhs of shape (*B, n, k).
-# --------------------------------------------------------------------------------------------
-# Which kernel a CPU tensor goes to is context-local state (a ContextVar: each thread, and each
-# asyncio task, has its own), never a module global: a block in one thread cannot change the kernel
-# that another thread's solve runs. The ops that the final function calls save the choice made in
-# the forward and restore it around their backward (see tridiag_tutorial.ops).
-_TORCH_KERNEL_ON_CPU = contextvars.ContextVar("tridiag_tutorial_torch_kernel_on_cpu", default=False)
-
-
-def _kernel_choice(torch_kernel: bool):
-    """Within the block, CPU tensors go to the pure-torch kernel if ``torch_kernel``, else LAPACK.
-
-    A no-op (``nullcontext``) when that is already the choice, which is also what lets Dynamo
-    trace code that states its choice (it cannot trace setting a ``ContextVar``)."""
-    if torch_kernel == _torch_kernel_on_cpu():
-        return contextlib.nullcontext()
-    return _set_kernel_choice(torch_kernel)
-
-
-@contextlib.contextmanager
-def _set_kernel_choice(torch_kernel: bool):
-    token = _TORCH_KERNEL_ON_CPU.set(torch_kernel)
-    try:
-        yield
-    finally:
-        _TORCH_KERNEL_ON_CPU.reset(token)
-
-
-def torch_kernel_on_cpu():
-    """Within this block, CPU tensors go to the pure-torch kernel instead of LAPACK.
-
-    The pure-torch kernel is the one other devices (CUDA) use; this lets the tests and the book
-    run that exact code path, through the custom ops, on a machine without a GPU. The choice is
-    local to the calling thread (and asyncio task); a solve made inside the block runs its backward
-    on the same kernel even when the backward runs after the block has ended.
-    """
-    return _set_kernel_choice(True)
-
-
-@torch.compiler.assume_constant_result
-def _torch_kernel_on_cpu() -> bool:
-    """True inside :func:`torch_kernel_on_cpu` (in this thread or task). Dynamo reads it once,
-    when it traces, and bakes the answer into the graph (so a compiled forward and its backward
-    agree; a later call of the compiled function keeps the kernel it was traced with)."""
-    return _TORCH_KERNEL_ON_CPU.get()
-
-
-def _use_lapack(t: torch.Tensor) -> bool:
-    return t.device.type == "cpu" and not _TORCH_KERNEL_ON_CPU.get()
-
-
-def _numpy(*tensors):
-    """NumPy views of the tensors' data (a copy only for a lazily conjugated or negated tensor:
-    ``.numpy()`` refuses tensors whose conjugate or negative bit is set)."""
-    return [t.detach().resolve_conj().resolve_neg().numpy() for t in tensors]
-
-
+# The kernels and the choice between them live in tridiag_tutorial.kernels.
 def _solve_kernel(lower, diag, upper, rhs):
-    """LAPACK ``?gtsv`` on CPU, the pure-torch kernel with the same pivoting on other devices."""
-    if _use_lapack(rhs):
-        return torch.from_numpy(lapack.solve(*_numpy(lower, diag, upper, rhs)))
-    return torch_kernel.solve(lower, diag, upper, rhs)
+    """The kernel of the current choice: LAPACK ``?gtsv`` on CPU (or the compiled kernel, once
+    loaded, where it measured faster), the pure-torch kernel with the same pivoting elsewhere."""
+    return kernels.solve(lower, diag, upper, rhs, None, None, "N", kernels._torch_kernel_on_cpu())
 
 
 @torch.library.custom_op("tridiag_tutorial::tridiagonal_solve", mutates_args=())

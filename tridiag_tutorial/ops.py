@@ -9,7 +9,8 @@ Design (chapter 7 explains it; chapter 5 shows the traps it gets around)::
         |                                           library op: fake kernel (via solve_kernel),
         |                                           an Autograd kernel that works under
         |                                           torch.func, and a vmap rule
-        `-- all run the same kernels: LAPACK on CPU, the batched torch kernel elsewhere
+        `-- all run the same kernels (tridiag_tutorial.kernels): LAPACK on CPU (the compiled
+            C++ kernel for batches, once loaded), the batched torch kernel elsewhere
 
 Why two paths? On torch 2.13 (measured in chapter 5):
 
@@ -41,8 +42,10 @@ What does not compose, and raises instead of answering wrongly (chapter 7's supp
 - double backward (``create_graph=True``) through a compiled function: torch's AOTAutograd
   raises its own error ("does not currently support double backward").
 
-The kernel that a CPU tensor goes to (LAPACK, or the pure-torch kernel under
-:func:`~tridiag_tutorial.custom_op.torch_kernel_on_cpu`) is context-local state; each path saves
+The kernel that a CPU tensor goes to (LAPACK or, once :func:`tridiag_tutorial.compiled.load`
+has run, the compiled kernel where it measured faster; the pure-torch kernel under
+:func:`~tridiag_tutorial.kernels.torch_kernel_on_cpu`) is decided in one module,
+:mod:`tridiag_tutorial.kernels`. The pure-torch choice is context-local state; each path saves
 the choice its forward made and its backward and ``jvp`` run on the same kernel.
 
 Factor reuse. On the pure-torch kernel (every device but the CPU) factoring costs about twice
@@ -66,43 +69,19 @@ from typing import NamedTuple
 
 import torch
 
-from . import _compat, lapack, rules
-from . import torch_kernel as _pure_torch  # a module; "torch_kernel" below is the kernel choice
+from . import _compat, kernels, rules
 from ._validation import validate, validate_bands
-from .custom_op import _numpy, _torch_kernel_on_cpu
+from .kernels import _torch_kernel_on_cpu
 
 __all__ = ["tridiagonal_solve", "tridiagonal_lu_factor", "tridiagonal_lu_solve",
            "TridiagonalFactors"]
 
 
-# --------------------------------------------------------------------------------------------
-# The kernels, called directly: no autograd, no checks, one batch shape, rhs (*B, n, k).
-# ``torch_kernel`` is the kernel choice for CPU tensors (other devices always use the torch one).
-# --------------------------------------------------------------------------------------------
-def _lapack_for(t: torch.Tensor, torch_kernel: bool) -> bool:
-    return t.device.type == "cpu" and not torch_kernel
-
-
-def _factor_kernel(lower, diag, upper, torch_kernel: bool):
-    """``(lu, pivots)``: ``(*B, 4, n)`` and ``(*B, n)`` int32 (see :func:`lapack.factor`)."""
-    if _lapack_for(diag, torch_kernel):
-        lu, pivots = lapack.factor(*_numpy(lower, diag, upper))
-        return torch.from_numpy(lu), torch.from_numpy(pivots)
-    return _pure_torch.factor(lower, diag, upper)
-
-
-def _kernel(lower, diag, upper, rhs, lu, pivots, trans: str, torch_kernel: bool):
-    """Solve ``M x = rhs``. Without factors (``lu is None``), ``M`` is the matrix of the bands and
-    ``trans`` is ``'N'``. With the factors of a matrix ``A``, ``M`` is ``A`` (``trans='N'``),
-    ``A^T`` (``'T'``) or ``A^H`` (``'C'``), and the bands (``M``'s) are not read."""
-    lapack_kernel = _lapack_for(rhs, torch_kernel)
-    if lu is None:
-        if lapack_kernel:
-            return torch.from_numpy(lapack.solve(*_numpy(lower, diag, upper, rhs)))
-        return _pure_torch.solve(lower, diag, upper, rhs)
-    if lapack_kernel:
-        return torch.from_numpy(lapack.factor_solve(*_numpy(lu, pivots, rhs), trans))
-    return _pure_torch.lu_solve(lu, pivots, rhs, trans)
+# The kernels (tridiag_tutorial.kernels), called directly: no autograd, no checks, one batch
+# shape, rhs (*B, n, k). ``torch_kernel`` is the kernel choice for CPU tensors.
+_kernel = kernels.solve
+_factor_kernel = kernels.factor
+_lapack_for = kernels.lapack_for
 
 
 def _adjoint(lu, pivots, trans: str):
@@ -197,8 +176,8 @@ def _jvp(solve, ctx, tangents):
 # --------------------------------------------------------------------------------------------
 class _TridiagonalSolve(torch.autograd.Function):
     """``x = solve(lower, diag, upper, rhs, lu, pivots, trans, torch_kernel)`` (see
-    :func:`_kernel`). ``torch_kernel`` is the kernel choice made by the caller (see
-    :func:`~tridiag_tutorial.custom_op.torch_kernel_on_cpu`); the backward and ``jvp`` reuse it,
+    :func:`tridiag_tutorial.kernels.solve`). ``torch_kernel`` is the kernel choice made by the
+    caller (see :func:`~tridiag_tutorial.kernels.torch_kernel_on_cpu`); the backward and ``jvp`` reuse it,
     and the factors, when there are any."""
 
     @staticmethod

@@ -1,0 +1,120 @@
+"""An optional compiled C++ CPU kernel: ``tridiag_tutorial_cpp::solve``, built on first use.
+
+The source, ``tridiag_tutorial/csrc/tridiag.cpp``, performs exactly the operations of LAPACK's
+``?gtsv`` (Gaussian elimination with partial pivoting, then back substitution) for float32,
+float64, complex64 and complex128, but on many systems at once: blocks of 8 (double) or 16
+(single precision) systems are interleaved in memory so that the compiler vectorises the
+elimination across systems, the pivot choice is a select rather than a branch, and the blocks are
+spread over threads with ``at::parallel_for``. A single system runs the same code sequentially.
+
+How to call it::
+
+    from tridiag_tutorial import compiled
+    solve = compiled.load()               # builds the first time (about a minute), then cached
+    x = solve(lower, diag, upper, rhs)    # bands (*B, n-1), (*B, n), (*B, n-1); rhs (*B, n, k)
+
+The inputs must already have one batch shape ``*B`` (broadcast them first) and one dtype; they
+may be views with any strides and are never modified. The result is a new C-contiguous
+``(*B, n, k)`` tensor. An exactly zero pivot raises :class:`torch.linalg.LinAlgError` with the
+package's message (``"the tridiagonal matrix is singular: pivot U[i, i] is exactly zero, in
+batch element (a, b)"``). The op has a fake kernel, so it can be traced by ``torch.compile``; it
+has no autograd formula (use :func:`tridiag_tutorial.tridiagonal_solve` for gradients).
+
+Nothing is compiled when the package is imported, and LAPACK (through SciPy) stays the default
+kernel of :func:`tridiag_tutorial.tridiagonal_solve`: this module is only used once :func:`load`
+has been called explicitly. From then on the package's CPU solves without factors run on it
+where it measured faster than LAPACK (batches of systems; see
+:func:`tridiag_tutorial.kernels.compiled_pays`), forward and backward, in every composition the
+op supports; :func:`tridiag_tutorial.kernels.use_compiled` turns that off within a block. Building needs a C++ compiler (``$CXX``, else ``c++``) and
+``ninja``; without them :func:`load` raises :class:`RuntimeError` saying what is missing.
+
+The build goes through :func:`torch.utils.cpp_extension.load` and is cached under torch's
+extensions directory: ``$TORCH_EXTENSIONS_DIR`` if set, else
+``torch.utils.cpp_extension._get_build_directory("tridiag_tutorial_cpp", False)`` (by default
+``~/.cache/torch_extensions/<python and torch version tag>/tridiag_tutorial_cpp``). Later
+processes reuse the cached library unless the source or the flags change. The library is linked
+against the installed torch's C++ ABI, so it only loads in the torch it was built with; torch's
+cache directory name carries the Python and torch versions (and the source hash is checked), so
+after upgrading torch it is rebuilt. It is compiled with ``-O3`` only (no ``-march=native``), so a
+cache shared between machines with different CPUs stays valid.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+import torch
+
+__all__ = ["load", "is_loaded", "op", "SOURCE"]
+
+NAME = "tridiag_tutorial_cpp"
+SOURCE = Path(__file__).with_name("csrc") / "tridiag.cpp"
+
+_op = None
+
+
+def is_loaded() -> bool:
+    """True once :func:`load` has built (or found cached) and loaded the library in this process."""
+    return _op is not None
+
+
+def op():
+    """The loaded op ``torch.ops.tridiag_tutorial_cpp.solve`` (call :func:`load` first)."""
+    if _op is None:
+        raise RuntimeError("tridiag_tutorial.compiled.op(): call tridiag_tutorial.compiled.load() "
+                           "first")
+    return _op
+
+
+def _missing_tools() -> list[str]:
+    from torch.utils.cpp_extension import is_ninja_available
+
+    missing = []
+    cxx = os.environ.get("CXX", "c++")
+    if shutil.which(cxx) is None:
+        missing.append(f"a C++ compiler ({cxx!r}, from $CXX or the default 'c++', is not on PATH)")
+    if not is_ninja_available():
+        missing.append("ninja (torch.utils.cpp_extension builds with it: pip install ninja)")
+    return missing
+
+
+def load(verbose: bool = False):
+    """Build (first call, or when the cache is stale) and load the library; return the op
+    ``torch.ops.tridiag_tutorial_cpp.solve``. Later calls return it immediately.
+
+    Raises :class:`RuntimeError` when no C++ compiler or no ninja is available.
+    """
+    global _op
+    if _op is not None:
+        return _op
+    missing = _missing_tools()
+    if missing:
+        raise RuntimeError(
+            "tridiag_tutorial.compiled.load() cannot build the C++ kernel: missing "
+            + " and ".join(missing)
+            + ". The LAPACK kernel (through SciPy) stays the default and needs no compiler.")
+    from torch.utils.cpp_extension import load as _cpp_load
+
+    _cpp_load(name=NAME, sources=[str(SOURCE)], extra_cflags=["-O3"], is_python_module=False,
+              verbose=verbose)
+    op = torch.ops.tridiag_tutorial_cpp.solve
+    _register_fake()
+    _op = op
+    return op
+
+
+_fake_registered = False
+
+
+def _register_fake() -> None:
+    global _fake_registered
+    if _fake_registered:
+        return
+
+    @torch.library.register_fake(f"{NAME}::solve")
+    def _solve_fake(lower, diag, upper, rhs):
+        return rhs.new_empty(rhs.shape)  # C-contiguous, like the CPU kernel's result
+
+    _fake_registered = True

@@ -1,0 +1,541 @@
+// tridiag_tutorial_cpp::solve: LAPACK ?gtsv's elimination, compiled, for batches of systems.
+//
+// solve(lower, diag, upper, rhs) -> x solves A x = rhs for a batch of tridiagonal matrices A with
+// lower[..., i] = A[i+1, i] (n-1), diag[..., i] = A[i, i] (n), upper[..., i] = A[i, i+1] (n-1)
+// and rhs (*B, n, k); the caller has validated and broadcast all four to one batch shape *B.
+// The result is a new C-contiguous (*B, n, k) tensor; the inputs are never modified.
+//
+// The arithmetic is ?gtsv's, operation for operation: Gaussian elimination with partial pivoting
+// (rows i and i+1 swap when |lower[i]| > |d[i]|, or when either magnitude is NaN, as the Fortran
+// test ABS(D(I)) .GE. ABS(DL(I)) fails; |re| + |im| for complex, zgtsv's CABS1), the fill-in of
+// the second superdiagonal after a swap, then back substitution. zgtsv skips a step whose
+// subdiagonal entry is exactly zero, and so does the complex kernel here; complex products and
+// quotients are written out the way gfortran evaluates them (Fortran rules: (ac - bd, ad + bc),
+// and Smith's division), so that the results can match the library bit for bit.
+//
+// Speed: systems are processed in blocks of W (a compile-time constant: 8 doubles or 16 floats,
+// one 64-byte line per element) in a batch-interleaved layout, element i of the W systems
+// contiguous ([n][W] for a band, [n][k][W] for rhs, real and imaginary parts in separate rows of
+// W for complex). Every operation acts on the W systems of the block at once, written with
+// GCC/Clang vector types (16-byte vectors, W / VL of them side by side), and the pivot choice is
+// a select, not a branch, so the elimination runs in SIMD across systems. Blocks are
+// distributed over threads with at::parallel_for; the last block is padded with identity
+// systems. Fewer than W systems (one large system, say) use the same code with W = 1, each
+// system solved in place in the output.
+//
+// A zero pivot U[i, i] raises c10::LinAlgError (torch.linalg.LinAlgError in Python), naming the
+// first singular system in flat (C) order and its first zero pivot. Systems never mix, so a NaN
+// or infinity stays in its own system.
+
+#include <ATen/ATen.h>
+#include <ATen/Dispatch.h>
+#include <ATen/Parallel.h>
+#include <c10/util/Exception.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <memory>
+#include <sstream>
+#include <vector>
+
+namespace {
+
+// --------------------------------------------------------------------------------------------
+// Lanes. Pack<R, W>::V is what one element of the W systems of a block is: a GCC/Clang vector
+// of W reals (the compiler lowers it to the widest SIMD the target flags allow: SSE2 on plain
+// x86-64), or the scalar R when W = 1. The kernels are written once on V: arithmetic is
+// elementwise, comparisons give masks (bool for a scalar), and `m ? a : b` is a select (a blend
+// for vectors), so there is no branch on data and no control flow to stop vectorisation.
+// --------------------------------------------------------------------------------------------
+// Lanes per block: one 64-byte cache line of reals per element (8 doubles, 16 floats).
+template <typename R>
+constexpr int kLanes = static_cast<int>(64 / sizeof(R));
+
+#define TT_INLINE inline __attribute__((always_inline))
+
+// 16-byte vectors: SSE2 (plain x86-64) and NEON have every operation used here on them, so GCC
+// emits vector instructions (wider generic vectors would be expanded piecewise without -mavx).
+// A block of W lanes is W / VL such vectors, handled side by side (independent division chains).
+typedef double v2d __attribute__((vector_size(16)));
+typedef float v4f __attribute__((vector_size(16)));
+typedef int64_t v2l __attribute__((vector_size(16)));
+typedef int32_t v4i __attribute__((vector_size(16)));
+
+template <typename R, int W>
+struct Pack;
+template <>
+struct Pack<double, 8> {
+  using V = v2d;
+  using I = v2l;
+  static constexpr int VL = 2;
+  static TT_INLINE V abs(V x) { return (V)((I)x & (I{} + INT64_MAX)); }  // clear the sign bit
+};
+template <>
+struct Pack<float, 16> {
+  using V = v4f;
+  using I = v4i;
+  static constexpr int VL = 4;
+  static TT_INLINE V abs(V x) { return (V)((I)x & (I{} + INT32_MAX)); }
+};
+template <typename R>
+struct Pack<R, 1> {
+  using V = R;
+  static constexpr int VL = 1;
+  static TT_INLINE V abs(V x) { return std::abs(x); }
+};
+
+template <typename V, typename R>
+TT_INLINE V ld(const R* p) {
+  V v;
+  std::memcpy(&v, p, sizeof(V));
+  return v;
+}
+
+template <typename V, typename R>
+TT_INLINE void st(R* p, const V& v) {
+  std::memcpy(p, &v, sizeof(V));
+}
+
+// A mask's negation that works for both a vector mask and a bool.
+template <typename M>
+TT_INLINE M lnot(const M& m) {
+  return m == 0;
+}
+
+// --------------------------------------------------------------------------------------------
+// Real kernel (sgtsv / dgtsv). Layout: d, du, dl [n][W]; b [n][k][W]. du[n-1] and dl[n-1] are
+// zero padding (read by the last step, never used by the back substitution). dl receives the
+// fill-in (LAPACK keeps it in DL as well). flag[w] becomes nonzero if system w met a zero pivot.
+// --------------------------------------------------------------------------------------------
+template <typename R, int W>
+void real_kernel(int64_t n, int64_t k, R* __restrict__ d, R* __restrict__ du,
+                 R* __restrict__ dl, R* __restrict__ b, R* __restrict__ flag) {
+  using P = Pack<R, W>;
+  using V = typename P::V;
+  constexpr int VL = P::VL;
+  const V zero{};
+  const V one = zero + R(1);
+  V bad[W / VL];
+  for (int o = 0; o < W; o += VL) bad[o / VL] = zero;
+  for (int64_t i = 0; i + 1 < n; ++i) {
+    for (int o = 0; o < W; o += VL) {
+      R* d0 = d + i * W + o;
+      R* u0 = du + i * W + o;
+      R* l0 = dl + i * W + o;
+      const V a = ld<V>(d0), l = ld<V>(l0), c = ld<V>(u0), e = ld<V>(d0 + W), g = ld<V>(u0 + W);
+      const auto s = lnot(P::abs(a) >= P::abs(l));  // interchange (also on NaN, as in dgtsv)
+      const V p = s ? l : a;
+      const V f = (s ? a : l) / p;
+      st(d0, p);
+      st(u0, s ? e : c);
+      // swap: du[i] - f d[i+1];  no swap: d[i+1] - f du[i]
+      st(d0 + W, (s ? c : e) - f * (s ? e : c));
+      st(l0, s ? g : zero);  // fill-in U[i, i+2]
+      st(u0 + W, s ? -(f * g) : g);
+      bad[o / VL] = p == zero ? one : bad[o / VL];
+      for (int64_t j = 0; j < k; ++j) {
+        R* b0 = b + (i * k + j) * W + o;
+        R* b1 = b0 + k * W;
+        const V x0 = ld<V>(b0), x1 = ld<V>(b1);
+        const V q = s ? x1 : x0;
+        st(b0, q);
+        st(b1, (s ? x0 : x1) - f * q);
+      }
+    }
+  }
+  for (int o = 0; o < W; o += VL) {
+    const V dn = ld<V>(d + (n - 1) * W + o);
+    st(flag + o, dn == zero ? one : bad[o / VL]);
+  }
+  for (int64_t j = 0; j < k; ++j) {
+    for (int o = 0; o < W; o += VL) {
+      R* bn = b + ((n - 1) * k + j) * W + o;
+      const R* dn = d + (n - 1) * W + o;
+      st(bn, ld<V>(bn) / ld<V>(dn));
+      if (n > 1) {
+        R* bm = bn - k * W;
+        st(bm, (ld<V>(bm) - ld<V>(du + (n - 2) * W + o) * ld<V>(bn)) / ld<V>(dn - W));
+      }
+    }
+    for (int64_t i = n - 3; i >= 0; --i) {
+      for (int o = 0; o < W; o += VL) {
+        R* bi = b + (i * k + j) * W + o;
+        const V x1 = ld<V>(bi + k * W), x2 = ld<V>(bi + 2 * k * W);
+        const V t = ld<V>(bi) - ld<V>(du + i * W + o) * x1 - ld<V>(dl + i * W + o) * x2;
+        st(bi, t / ld<V>(d + i * W + o));
+      }
+    }
+  }
+}
+
+// --------------------------------------------------------------------------------------------
+// Complex arithmetic as gfortran evaluates it (-fcx-fortran-rules, its default).
+// --------------------------------------------------------------------------------------------
+template <typename V>
+TT_INLINE void cmul(V ar, V ai, V br, V bi, V& cr, V& ci) {
+  cr = ar * br - ai * bi;
+  ci = ar * bi + ai * br;
+}
+
+// Smith's division in GCC's operation order, with selects.
+template <typename P, typename V>
+TT_INLINE void cdiv(V ar, V ai, V br, V bi, V& cr, V& ci) {
+  const auto t = P::abs(br) < P::abs(bi);
+  const V num = t ? br : bi;
+  const V den = t ? bi : br;
+  const V ratio = num / den;
+  const V div = num * ratio + den;
+  const V tr = t ? ar * ratio + ai : ai * ratio + ar;
+  const V ti = t ? ai * ratio - ar : ai - ar * ratio;
+  cr = tr / div;
+  ci = ti / div;
+}
+
+// --------------------------------------------------------------------------------------------
+// Complex kernel (cgtsv / zgtsv). Layout: element i, part c (0 real, 1 imaginary), lane w of a
+// band at [(2 i + c) W + w]; of rhs column j at [(2 (i k + j) + c) W + w].
+// --------------------------------------------------------------------------------------------
+template <typename R, int W>
+void complex_kernel(int64_t n, int64_t k, R* __restrict__ d, R* __restrict__ du,
+                    R* __restrict__ dl, R* __restrict__ b, R* __restrict__ flag) {
+  using P = Pack<R, W>;
+  using V = typename P::V;
+  constexpr int VL = P::VL;
+  constexpr int64_t E = 2 * W;  // one complex element of all lanes
+  const V zero{};
+  const V one = zero + R(1);
+  V bad[W / VL];
+  for (int o = 0; o < W; o += VL) bad[o / VL] = zero;
+  for (int64_t i = 0; i + 1 < n; ++i) {
+   for (int o = 0; o < W; o += VL) {
+    R* d0 = d + i * E + o;
+    R* u0 = du + i * E + o;
+    R* l0 = dl + i * E + o;
+    const V ar = ld<V>(d0), ai = ld<V>(d0 + W);
+    const V lr = ld<V>(l0), li = ld<V>(l0 + W);
+    const V cr = ld<V>(u0), ci = ld<V>(u0 + W);
+    const V er = ld<V>(d0 + E), ei = ld<V>(d0 + E + W);
+    const V gr = ld<V>(u0 + E), gi = ld<V>(u0 + E + W);
+    const auto z = (lr == zero) & (li == zero);  // zgtsv: no elimination needed
+    const auto s = lnot(z) & lnot(P::abs(ar) + P::abs(ai) >= P::abs(lr) + P::abs(li));
+    const V pr = s ? lr : ar, pi = s ? li : ai;
+    V qr, qi;
+    cdiv<P>(s ? ar : lr, s ? ai : li, pr, pi, qr, qi);
+    st(d0, pr);
+    st(d0 + W, pi);
+    st(u0, s ? er : cr);
+    st(u0 + W, s ? ei : ci);
+    // d[i+1]: swap: du[i] - f d[i+1]; no swap: d[i+1] - f du[i]; zero subdiagonal: unchanged
+    V tr, ti;
+    cmul(qr, qi, s ? er : cr, s ? ei : ci, tr, ti);
+    st(d0 + E, z ? er : (s ? cr : er) - tr);
+    st(d0 + E + W, z ? ei : (s ? ci : ei) - ti);
+    V hr, hi;
+    cmul(qr, qi, gr, gi, hr, hi);
+    st(l0, s ? gr : zero);
+    st(l0 + W, s ? gi : zero);
+    st(u0 + E, s ? -hr : gr);
+    st(u0 + E + W, s ? -hi : gi);
+    bad[o / VL] = (pr == zero) & (pi == zero) ? one : bad[o / VL];
+    for (int64_t j = 0; j < k; ++j) {
+      R* b0 = b + (i * k + j) * E + o;
+      R* b1 = b0 + k * E;
+      const V x0r = ld<V>(b0), x0i = ld<V>(b0 + W), x1r = ld<V>(b1), x1i = ld<V>(b1 + W);
+      const V yr = s ? x1r : x0r, yi = s ? x1i : x0i;
+      V mr, mi;
+      cmul(qr, qi, yr, yi, mr, mi);
+      st(b0, yr);
+      st(b0 + W, yi);
+      st(b1, z ? x1r : (s ? x0r : x1r) - mr);
+      st(b1 + W, z ? x1i : (s ? x0i : x1i) - mi);
+    }
+   }
+  }
+  for (int o = 0; o < W; o += VL) {
+    const R* dn = d + (n - 1) * E + o;
+    st(flag + o, (ld<V>(dn) == zero) & (ld<V>(dn + W) == zero) ? one : bad[o / VL]);
+  }
+  for (int64_t j = 0; j < k; ++j) {
+   for (int o = 0; o < W; o += VL) {
+    const R* dn = d + (n - 1) * E + o;
+    const V dnr = ld<V>(dn), dni = ld<V>(dn + W);
+    R* bn = b + ((n - 1) * k + j) * E + o;
+    V xr, xi;
+    cdiv<P>(ld<V>(bn), ld<V>(bn + W), dnr, dni, xr, xi);
+    st(bn, xr);
+    st(bn + W, xi);
+    if (n > 1) {
+      R* bm = bn - k * E;
+      const R* um = du + (n - 2) * E + o;
+      const R* dm = dn - E;
+      V tr, ti, yr, yi;
+      cmul(ld<V>(um), ld<V>(um + W), xr, xi, tr, ti);
+      cdiv<P>(ld<V>(bm) - tr, ld<V>(bm + W) - ti, ld<V>(dm), ld<V>(dm + W), yr, yi);
+      st(bm, yr);
+      st(bm + W, yi);
+    }
+   }
+    for (int64_t i = n - 3; i >= 0; --i) {
+     for (int o = 0; o < W; o += VL) {
+      R* bi = b + (i * k + j) * E + o;
+      const R* x1 = bi + k * E;
+      const R* x2 = bi + 2 * k * E;
+      const R* di = d + i * E + o;
+      const R* ui = du + i * E + o;
+      const R* li = dl + i * E + o;
+      V tr, ti, sr, si, yr, yi;
+      cmul(ld<V>(ui), ld<V>(ui + W), ld<V>(x1), ld<V>(x1 + W), tr, ti);
+      cmul(ld<V>(li), ld<V>(li + W), ld<V>(x2), ld<V>(x2 + W), sr, si);
+      cdiv<P>((ld<V>(bi) - tr) - sr, (ld<V>(bi + W) - ti) - si, ld<V>(di), ld<V>(di + W), yr, yi);
+      st(bi, yr);
+      st(bi + W, yi);
+     }
+    }
+  }
+}
+
+// One real system (W = 1): the same operations as real_kernel, with branches instead of selects,
+// as dgtsv itself is written. A branch that is (almost) always taken the same way costs nothing,
+// where a select computes both sides: for one long system this is what keeps pace with LAPACK.
+template <typename R>
+void real_kernel_one(int64_t n, int64_t k, R* __restrict__ d, R* __restrict__ du,
+                     R* __restrict__ dl, R* __restrict__ b, R* __restrict__ flag) {
+  bool bad = false;
+  for (int64_t i = 0; i + 1 < n; ++i) {
+    const R a = d[i], l = dl[i];
+    R* b0 = b + i * k;
+    R* b1 = b0 + k;
+    if (std::abs(a) >= std::abs(l)) {  // no interchange (a NaN takes the other branch, as in dgtsv)
+      bad |= a == R(0);
+      const R f = l / a;
+      d[i + 1] = d[i + 1] - f * du[i];
+      dl[i] = R(0);
+      for (int64_t j = 0; j < k; ++j) b1[j] = b1[j] - f * b0[j];
+    } else {
+      bad |= l == R(0);
+      const R f = a / l, e = d[i + 1], c = du[i], g = du[i + 1];
+      d[i] = l;
+      du[i] = e;
+      d[i + 1] = c - f * e;
+      dl[i] = g;  // fill-in U[i, i+2]
+      du[i + 1] = -(f * g);
+      for (int64_t j = 0; j < k; ++j) {
+        const R x0 = b0[j], x1 = b1[j];
+        b0[j] = x1;
+        b1[j] = x0 - f * x1;
+      }
+    }
+  }
+  flag[0] = (bad || d[n - 1] == R(0)) ? R(1) : R(0);
+  for (int64_t j = 0; j < k; ++j) {
+    R* bn = b + (n - 1) * k + j;
+    *bn = *bn / d[n - 1];
+    if (n > 1) {
+      R* bm = bn - k;
+      *bm = (*bm - du[n - 2] * *bn) / d[n - 2];
+    }
+    for (int64_t i = n - 3; i >= 0; --i) {
+      R* bi = b + i * k + j;
+      *bi = (*bi - du[i] * bi[k] - dl[i] * bi[2 * k]) / d[i];
+    }
+  }
+}
+
+template <typename R, bool Complex, int W>
+inline void run_kernel(int64_t n, int64_t k, R* d, R* du, R* dl, R* b, R* flag) {
+  if constexpr (Complex) {
+    complex_kernel<R, W>(n, k, d, du, dl, b, flag);
+  } else if constexpr (W == 1) {
+    real_kernel_one<R>(n, k, d, du, dl, b, flag);
+  } else {
+    real_kernel<R, W>(n, k, d, du, dl, b, flag);
+  }
+}
+
+// Lane w of an interleaved array <- count consecutive reals (and back).
+template <typename R, int W>
+inline void gather(R* __restrict__ dst, const R* __restrict__ src, int64_t count, int w) {
+  for (int64_t q = 0; q < count; ++q) dst[q * W + w] = src[q];
+}
+
+template <typename R, int W>
+inline void scatter(R* __restrict__ dst, const R* __restrict__ src, int64_t count, int w) {
+  for (int64_t q = 0; q < count; ++q) dst[q] = src[q * W + w];
+}
+
+// The first zero pivot of lane w (d is final after the elimination), or -1.
+template <typename R, bool Complex, int W>
+int64_t first_zero_pivot(const R* d, int64_t n, int w) {
+  constexpr int C = Complex ? 2 : 1;
+  for (int64_t i = 0; i < n; ++i) {
+    const R* e = d + i * C * W;
+    if (e[w] == R(0) && (!Complex || e[(C - 1) * W + w] == R(0))) return i;
+  }
+  return -1;
+}
+
+void record_singular(std::atomic<int64_t>& first, int64_t code) {
+  int64_t seen = first.load();
+  while (code < seen && !first.compare_exchange_weak(seen, code)) {
+  }
+}
+
+// Solve nsys systems of size n with k right-hand sides. L, D, U, Bm, X are the contiguous
+// inputs and output as reals (complex: interleaved parts). first: min over singular systems of
+// system * n + pivot.
+template <typename R, bool Complex>
+void solve_all(const R* L, const R* D, const R* U, const R* Bm, R* X, int64_t nsys, int64_t n,
+               int64_t k, std::atomic<int64_t>& first) {
+  constexpr int C = Complex ? 2 : 1;
+  constexpr int W = kLanes<R>;
+  const int64_t band = (n - 1) * C, dsize = n * C, bsize = n * k * C;
+  const int64_t work = std::max<int64_t>(1, n * (k + 3));  // per system, roughly
+  if (nsys < W) {
+    // Few systems (one large system, say): W = 1, each system solved in place in the output.
+    const int64_t grain = std::max<int64_t>(1, (1 << 15) / work);
+    at::parallel_for(0, nsys, grain, [&](int64_t begin, int64_t end) {
+      std::unique_ptr<R[]> ws(new R[3 * dsize]);  // uninitialised: every element is written below
+      R* d = ws.get();
+      R* du = d + dsize;
+      R* dl = du + dsize;
+      for (int64_t s = begin; s < end; ++s) {
+        std::copy(D + s * dsize, D + (s + 1) * dsize, d);
+        std::copy(U + s * band, U + (s + 1) * band, du);
+        std::copy(L + s * band, L + (s + 1) * band, dl);
+        std::fill(du + band, du + dsize, R(0));
+        std::fill(dl + band, dl + dsize, R(0));
+        R* b = X + s * bsize;
+        std::copy(Bm + s * bsize, Bm + (s + 1) * bsize, b);
+        R flag[1];
+        run_kernel<R, Complex, 1>(n, k, d, du, dl, b, flag);
+        if (flag[0] != R(0)) {
+          record_singular(first, s * n + first_zero_pivot<R, Complex, 1>(d, n, 0));
+        }
+      }
+    });
+    return;
+  }
+  const int64_t nblocks = (nsys + W - 1) / W;
+  const int64_t grain = std::max<int64_t>(1, (1 << 15) / (work * W));
+  at::parallel_for(0, nblocks, grain, [&](int64_t begin, int64_t end) {
+    std::unique_ptr<R[]> ws(new R[(3 * dsize + bsize) * W]);  // uninitialised, filled below
+    R* d = ws.get();
+    R* du = d + dsize * W;
+    R* dl = du + dsize * W;
+    R* b = dl + dsize * W;
+    for (int64_t blk = begin; blk < end; ++blk) {
+      const int64_t s0 = blk * W;
+      const int m = static_cast<int>(std::min<int64_t>(W, nsys - s0));
+      for (int w = 0; w < m; ++w) {
+        const int64_t s = s0 + w;
+        gather<R, W>(d, D + s * dsize, dsize, w);
+        gather<R, W>(du, U + s * band, band, w);
+        gather<R, W>(dl, L + s * band, band, w);
+        gather<R, W>(b, Bm + s * bsize, bsize, w);
+      }
+      for (int64_t q = band; q < dsize; ++q) {  // padding element n-1 of the off-diagonals
+        for (int w = 0; w < W; ++w) du[q * W + w] = dl[q * W + w] = R(0);
+      }
+      for (int w = m; w < W; ++w) {  // tail: identity systems with zero rhs
+        for (int64_t q = 0; q < dsize; ++q) d[q * W + w] = (q % C == 0) ? R(1) : R(0);
+        for (int64_t q = 0; q < band; ++q) du[q * W + w] = dl[q * W + w] = R(0);
+        for (int64_t q = 0; q < bsize; ++q) b[q * W + w] = R(0);
+      }
+      R flag[W];
+      run_kernel<R, Complex, W>(n, k, d, du, dl, b, flag);
+      for (int w = 0; w < m; ++w) {
+        if (flag[w] != R(0)) {
+          record_singular(first, (s0 + w) * n + first_zero_pivot<R, Complex, W>(d, n, w));
+        }
+        scatter<R, W>(X + (s0 + w) * bsize, b, bsize, w);
+      }
+    }
+  });
+}
+
+at::Tensor solve(const at::Tensor& lower, const at::Tensor& diag, const at::Tensor& upper,
+                 const at::Tensor& rhs) {
+  TORCH_CHECK(diag.dim() >= 1, "tridiag_tutorial_cpp::solve: diag must have a last dimension n");
+  TORCH_CHECK(rhs.dim() == diag.dim() + 1, "tridiag_tutorial_cpp::solve: rhs must be (*B, n, k) "
+              "for diag (*B, n); got rhs ", rhs.sizes(), " and diag ", diag.sizes());
+  const auto batch = diag.sizes().slice(0, diag.dim() - 1);
+  const int64_t n = diag.size(-1);
+  const int64_t k = rhs.size(-1);
+  TORCH_CHECK(n >= 1, "tridiag_tutorial_cpp::solve: n must be at least 1");
+  std::vector<int64_t> band_shape(batch.begin(), batch.end());
+  band_shape.push_back(n - 1);
+  std::vector<int64_t> rhs_shape(batch.begin(), batch.end());
+  rhs_shape.push_back(n);
+  rhs_shape.push_back(k);
+  TORCH_CHECK(lower.sizes() == at::IntArrayRef(band_shape) &&
+                  upper.sizes() == at::IntArrayRef(band_shape) &&
+                  rhs.sizes() == at::IntArrayRef(rhs_shape),
+              "tridiag_tutorial_cpp::solve: shapes must be lower, upper (*B, n-1), diag (*B, n), "
+              "rhs (*B, n, k) with one batch shape; got ", lower.sizes(), ", ", diag.sizes(), ", ",
+              upper.sizes(), ", ", rhs.sizes());
+  const auto dtype = diag.scalar_type();
+  TORCH_CHECK(lower.scalar_type() == dtype && upper.scalar_type() == dtype &&
+                  rhs.scalar_type() == dtype,
+              "tridiag_tutorial_cpp::solve: all inputs must have one dtype");
+  for (const at::Tensor* t : {&lower, &diag, &upper, &rhs}) {
+    TORCH_CHECK(t->device().is_cpu(), "tridiag_tutorial_cpp::solve: CPU tensors only");
+  }
+
+  // Conjugate or negative views are materialised by contiguous(); resolve them first so the
+  // data pointer holds the values.
+  const at::Tensor l = lower.resolve_conj().resolve_neg().contiguous();
+  const at::Tensor d = diag.resolve_conj().resolve_neg().contiguous();
+  const at::Tensor u = upper.resolve_conj().resolve_neg().contiguous();
+  const at::Tensor b = rhs.resolve_conj().resolve_neg().contiguous();
+  at::Tensor x = at::empty(rhs_shape, rhs.options().memory_format(at::MemoryFormat::Contiguous));
+  const int64_t nsys = d.numel() / n;
+  if (nsys == 0) return x;
+
+  std::atomic<int64_t> first{std::numeric_limits<int64_t>::max()};
+  AT_DISPATCH_FLOATING_AND_COMPLEX_TYPES(dtype, "tridiag_tutorial_cpp::solve", [&] {
+    using R = typename c10::scalar_value_type<scalar_t>::type;
+    constexpr bool is_complex = c10::is_complex<scalar_t>::value;
+    solve_all<R, is_complex>(reinterpret_cast<const R*>(l.const_data_ptr<scalar_t>()),
+                             reinterpret_cast<const R*>(d.const_data_ptr<scalar_t>()),
+                             reinterpret_cast<const R*>(u.const_data_ptr<scalar_t>()),
+                             reinterpret_cast<const R*>(b.const_data_ptr<scalar_t>()),
+                             reinterpret_cast<R*>(x.mutable_data_ptr<scalar_t>()), nsys, n, k,
+                             first);
+  });
+
+  const int64_t code = first.load();
+  if (code != std::numeric_limits<int64_t>::max()) {
+    const int64_t system = code / n, pivot = code % n;
+    std::ostringstream msg;
+    msg << "the tridiagonal matrix is singular: pivot U[" << pivot << ", " << pivot
+        << "] is exactly zero";
+    if (!batch.empty()) {
+      std::vector<int64_t> index(batch.size());
+      int64_t rest = system;
+      for (int64_t a = static_cast<int64_t>(batch.size()) - 1; a >= 0; --a) {
+        index[a] = rest % batch[a];
+        rest /= batch[a];
+      }
+      msg << ", in batch element (";
+      for (size_t a = 0; a < index.size(); ++a) msg << (a ? ", " : "") << index[a];
+      msg << (index.size() == 1 ? ",)" : ")");
+    }
+    TORCH_CHECK_LINALG(false, msg.str());
+  }
+  return x;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(tridiag_tutorial_cpp, m) {
+  m.def("solve(Tensor lower, Tensor diag, Tensor upper, Tensor rhs) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(tridiag_tutorial_cpp, CPU, m) {
+  m.impl("solve", &solve);
+}

@@ -1,0 +1,139 @@
+r"""Which kernel solves, in one place: LAPACK, the compiled C++ kernel, or the pure-torch kernel.
+
+- **CPU**: LAPACK through SciPy (:mod:`tridiag_tutorial.lapack`) by default; the compiled kernel
+  (:mod:`tridiag_tutorial.compiled`) once :func:`tridiag_tutorial.compiled.load` has built it,
+  for the problems where it measured faster (:func:`compiled_pays`); the pure-torch kernel
+  inside :func:`torch_kernel_on_cpu`.
+- **Every other device**: the pure-torch kernel (:mod:`tridiag_tutorial.torch_kernel`).
+
+All functions here take validated inputs of one batch shape with a matrix right-hand side
+``(*B, n, k)``, return new tensors and never modify their inputs. The ops of
+:mod:`tridiag_tutorial.ops` and :mod:`tridiag_tutorial.custom_op` call them; ``torch_kernel`` is
+the caller's kernel choice for CPU tensors, which those ops save in the forward and reuse in the
+backward.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+
+import torch
+
+from . import compiled, lapack
+from . import torch_kernel as _pure_torch  # a module; "torch_kernel" below is the kernel choice
+
+__all__ = ["torch_kernel_on_cpu", "use_compiled", "compiled_pays", "solve", "factor"]
+
+# Which kernel a CPU tensor goes to is context-local state (a ContextVar: each thread, and each
+# asyncio task, has its own), never a module global: a block in one thread cannot change the kernel
+# that another thread's solve runs. The ops that the final function calls save the choice made in
+# the forward and restore it around their backward (see tridiag_tutorial.ops).
+_TORCH_KERNEL_ON_CPU = contextvars.ContextVar("tridiag_tutorial_torch_kernel_on_cpu", default=False)
+
+
+def _kernel_choice(torch_kernel: bool):
+    """Within the block, CPU tensors go to the pure-torch kernel if ``torch_kernel``, else LAPACK.
+
+    A no-op (``nullcontext``) when that is already the choice, which is also what lets Dynamo
+    trace code that states its choice (it cannot trace setting a ``ContextVar``)."""
+    if torch_kernel == _torch_kernel_on_cpu():
+        return contextlib.nullcontext()
+    return _set_kernel_choice(torch_kernel)
+
+
+@contextlib.contextmanager
+def _set_kernel_choice(torch_kernel: bool):
+    token = _TORCH_KERNEL_ON_CPU.set(torch_kernel)
+    try:
+        yield
+    finally:
+        _TORCH_KERNEL_ON_CPU.reset(token)
+
+
+def torch_kernel_on_cpu():
+    """Within this block, CPU tensors go to the pure-torch kernel instead of LAPACK.
+
+    The pure-torch kernel is the one other devices (CUDA) use; this lets the tests and the book
+    run that exact code path, through the custom ops, on a machine without a GPU. The choice is
+    local to the calling thread (and asyncio task); a solve made inside the block runs its backward
+    on the same kernel even when the backward runs after the block has ended.
+    """
+    return _set_kernel_choice(True)
+
+
+@torch.compiler.assume_constant_result
+def _torch_kernel_on_cpu() -> bool:
+    """True inside :func:`torch_kernel_on_cpu` (in this thread or task). Dynamo reads it once,
+    when it traces, and bakes the answer into the graph (so a compiled forward and its backward
+    agree; a later call of the compiled function keeps the kernel it was traced with)."""
+    return _TORCH_KERNEL_ON_CPU.get()
+
+
+def _numpy(*tensors):
+    """NumPy views of the tensors' data (a copy only for a lazily conjugated or negated tensor:
+    ``.numpy()`` refuses tensors whose conjugate or negative bit is set)."""
+    return [t.detach().resolve_conj().resolve_neg().numpy() for t in tensors]
+
+
+def lapack_for(t: torch.Tensor, torch_kernel: bool) -> bool:
+    """Whether ``t``'s solve runs on the CPU kernels (LAPACK or the compiled one)."""
+    return t.device.type == "cpu" and not torch_kernel
+
+
+# Whether CPU solves may use the compiled kernel once it is loaded (context-local, like the kernel
+# choice above; the tests turn it off to test the LAPACK path, and on where they test the kernel).
+_USE_COMPILED = contextvars.ContextVar("tridiag_tutorial_use_compiled", default=True)
+
+
+@contextlib.contextmanager
+def use_compiled(enabled: bool):
+    """Within the block, CPU solves use the compiled kernel where it pays (``True``, the default
+    once :func:`tridiag_tutorial.compiled.load` has run) or always LAPACK (``False``)."""
+    token = _USE_COMPILED.set(enabled)
+    try:
+        yield
+    finally:
+        _USE_COMPILED.reset(token)
+
+
+COMPILED_ONE_SYSTEM_MAX_N = 3000  # measured: see compiled_pays
+
+
+def compiled_pays(rhs: torch.Tensor) -> bool:
+    """Whether the compiled kernel (loaded, allowed) takes this CPU solve instead of LAPACK.
+
+    Decided by measurement against this package's LAPACK kernel (one thread, every dtype, one and
+    four right-hand sides): on every batch of 2 to 64 systems of n = 8 to 1000 it took 0.17 to
+    1.02 of LAPACK's time (batches of 1024 to 100000 systems: 0.2 to 0.5), and on one system of
+    n <= 3000 0.4 to 1.0 (the fixed cost of the call dominates). On one larger system it was
+    within a few percent of LAPACK in double precision and about 10% slower in float32, so one
+    system of n > 3000 stays on LAPACK. ``rhs`` is the validated ``(*B, n, k)`` right-hand side.
+    """
+    if not (compiled.is_loaded() and _USE_COMPILED.get()):
+        return False
+    return rhs.shape[:-2].numel() >= 2 or rhs.shape[-2] <= COMPILED_ONE_SYSTEM_MAX_N
+
+
+def factor(lower, diag, upper, torch_kernel: bool):
+    """``(lu, pivots)``: ``(*B, 4, n)`` and ``(*B, n)`` int32 (see :func:`lapack.factor`)."""
+    if lapack_for(diag, torch_kernel):
+        lu, pivots = lapack.factor(*_numpy(lower, diag, upper))
+        return torch.from_numpy(lu), torch.from_numpy(pivots)
+    return _pure_torch.factor(lower, diag, upper)
+
+
+def solve(lower, diag, upper, rhs, lu, pivots, trans: str, torch_kernel: bool):
+    """Solve ``M x = rhs``. Without factors (``lu is None``), ``M`` is the matrix of the bands and
+    ``trans`` is ``'N'``. With the factors of a matrix ``A``, ``M`` is ``A`` (``trans='N'``),
+    ``A^T`` (``'T'``) or ``A^H`` (``'C'``), and the bands (``M``'s) are not read."""
+    on_cpu = lapack_for(rhs, torch_kernel)
+    if lu is None:
+        if on_cpu and compiled_pays(rhs):
+            return compiled.op()(lower, diag, upper, rhs)
+        if on_cpu:
+            return torch.from_numpy(lapack.solve(*_numpy(lower, diag, upper, rhs)))
+        return _pure_torch.solve(lower, diag, upper, rhs)
+    if on_cpu:
+        return torch.from_numpy(lapack.factor_solve(*_numpy(lu, pivots, rhs), trans))
+    return _pure_torch.lu_solve(lu, pivots, rhs, trans)
