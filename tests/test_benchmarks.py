@@ -64,3 +64,25 @@ def test_pure_torch_kernel_cases_run_no_lapack_forward_or_backward(monkeypatch):
     for once in (True, False):
         for mode in ("forward", "backward"):
             benchmarks._stepper(8, 4, torch.float64, 2, once, mode, kernel)()
+
+
+def test_quick_compiled_kernel_experiment(tmp_path):
+    """--compiled-only builds the C++ kernel and times it beside raw dgtsv and the joined LAPACK
+    solve (and JAX, when installed), merged into an existing results file."""
+    from tridiag_tutorial import compiled
+
+    if compiled._missing_tools():
+        pytest.skip(f"no C++ tool chain here: {compiled._missing_tools()}")
+    old = tmp_path / "old.json"
+    old.write_text(json.dumps({"results": [{"kept": True}]}))
+    out = tmp_path / "new.json"
+    benchmarks.main(["--compiled-only", "--quick", "--merge", str(old), "--out", str(out)])
+    saved = json.loads(out.read_text())
+    assert saved["results"] == [{"kept": True}] and saved["compiled_kernel_machine"]
+    rows = saved["compiled_kernel"]
+    assert {"compiled kernel", "dgtsv (raw LAPACK)", "lapack.solve (joined batch)"} <= {
+        r["impl"] for r in rows}
+    for r in rows:
+        assert r["seconds"] > 0
+        if r["impl"] == "dgtsv (raw LAPACK)":
+            assert r["ratio"] == 1.0

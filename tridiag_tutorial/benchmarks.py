@@ -51,7 +51,7 @@ from .custom_op import torch_kernel_on_cpu, tridiagonal_solve_custom_op
 from .ops import tridiagonal_lu_factor, tridiagonal_lu_solve, tridiagonal_solve
 from .reference import dense_solve
 
-__all__ = ["run", "run_time_stepping", "evaluate_targets", "main"]
+__all__ = ["run", "run_time_stepping", "run_compiled_kernel", "evaluate_targets", "main"]
 
 SINGLE_SIZES = [10**2, 10**3, 10**4, 10**5, 10**6]
 BATCHES = [(1024, 256), (16384, 64), (100000, 8)]
@@ -322,6 +322,65 @@ def run_time_stepping(cases=STEP_CASES, steps=STEPS, dtypes=(torch.float64,), th
     return rows
 
 
+# The compiled kernel against LAPACK and JAX: forward only, float64, one right-hand side; each
+# case's implementations timed in alternation. JAX is timed when it is installed (never required).
+COMPILED_CASES = [(256, 1024), (64, 16384), (8, 100000), (10**5, 0), (10**6, 0)]  # (n, batch)
+
+
+def _jax_solve(args):
+    """``jax.lax.linalg.tridiagonal_solve``, jitted, on the same system (JAX's band convention:
+    ``dl[0] = 0``, ``du[-1] = 0``); ``None`` when JAX is not installed."""
+    try:
+        import jax
+        import jax.numpy as jnp
+    except ImportError:
+        return None
+    jax.config.update("jax_enable_x64", True)
+    lower, diag, upper, rhs = (a.numpy() for a in args)
+    zero = np.zeros(diag.shape[:-1] + (1,), dtype=diag.dtype)
+    dl = jnp.asarray(np.concatenate([zero, lower], axis=-1))
+    du = jnp.asarray(np.concatenate([upper, zero], axis=-1))
+    d, b = jnp.asarray(diag), jnp.asarray(rhs[..., None])
+    solve = jax.jit(jax.lax.linalg.tridiagonal_solve)
+    return lambda: solve(dl, d, du, b).block_until_ready()
+
+
+def run_compiled_kernel(cases=COMPILED_CASES, threads=(1, None), min_time=0.2, repeats=15,
+                        log=print):
+    """Time the compiled kernel (:mod:`tridiag_tutorial.compiled`, built if needed), a Python loop
+    of raw ``dgtsv``, the joined ``lapack.solve`` and, if installed, JAX, forward only, float64.
+    Returns rows with ``seconds``, ``ns_per_unknown`` and ``ratio`` to the ``dgtsv`` loop."""
+    from . import compiled, lapack
+    op = compiled.load()
+    rows = []
+    default_threads = torch.get_num_threads()
+    for nthreads in threads:
+        torch.set_num_threads(nthreads or default_threads)
+        actual = torch.get_num_threads()
+        for n, batch in cases:
+            args = _problem(n, batch, torch.float64)
+            matrix = [*args[:3], args[3].unsqueeze(-1)]
+            arrays = [a.numpy() for a in matrix]
+            fns = {"compiled kernel": lambda: op(*matrix),
+                   "dgtsv (raw LAPACK)": _raw_gtsv(args),
+                   "lapack.solve (joined batch)": lambda: lapack.solve(*arrays)}
+            jax_fn = _jax_solve(args)
+            if jax_fn is not None:
+                fns["jax tridiagonal_solve"] = jax_fn
+            medians = _time_interleaved(fns, min_time, repeats)
+            unknowns = n * max(batch, 1)
+            for impl, seconds in medians.items():
+                row = dict(impl=impl, n=n, batch=batch, threads=actual, seconds=seconds,
+                           ns_per_unknown=seconds / unknowns * 1e9,
+                           ratio=seconds / medians["dgtsv (raw LAPACK)"])
+                rows.append(row)
+                log(f"  compiled  threads={actual} n={n:>7d} batch={batch:>6d} {impl:28s} "
+                    f"{seconds * 1e3:9.3f} ms {row['ns_per_unknown']:7.1f} ns/unknown "
+                    f"ratio to dgtsv {row['ratio']:.3f}")
+    torch.set_num_threads(default_threads)
+    return rows
+
+
 def _lookup(results, **key):
     for r in results:
         if all(r[k] == v for k, v in key.items()) and r["seconds"] is not None:
@@ -427,6 +486,26 @@ def format_steps_table(rows) -> str:
     return "\n".join(lines)
 
 
+def _main_compiled(opts):
+    """``--compiled-only``: the compiled-kernel rows, merged into an existing results file."""
+    report = {}
+    if opts.merge:
+        with open(opts.merge) as f:
+            report = json.load(f)
+    if opts.quick:
+        config = dict(cases=[(8, 16), (100, 0)], threads=(1,), min_time=0.001, repeats=3)
+    else:
+        threads = tuple(None if t == "default" else int(t) for t in opts.threads.split(","))
+        config = dict(min_time=opts.min_time, repeats=2 * opts.repeats + 1, threads=threads)
+    report["compiled_kernel"] = run_compiled_kernel(**config)
+    report["compiled_kernel_machine"] = machine_info()
+    report["compiled_kernel_config"] = {k: str(v) for k, v in config.items()}
+    with open(opts.out, "w") as f:
+        json.dump(report, f, indent=1)
+    print(f"\nwrote {opts.out}")
+    return report
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="tiny sizes, one dtype: a smoke test")
@@ -442,7 +521,12 @@ def main(argv=None):
     parser.add_argument("--steps-only", action="store_true",
                         help="run only the time-stepping experiment; with --merge, keep the merged "
                              "file's other results and replace its time-stepping rows")
+    parser.add_argument("--compiled-only", action="store_true",
+                        help="run only the compiled-kernel experiment (run_compiled_kernel; it "
+                             "builds the C++ kernel); with --merge, keep the rest of the merged file")
     opts = parser.parse_args(argv)
+    if opts.compiled_only:
+        return _main_compiled(opts)
     if opts.quick:
         config = dict(sizes=[8, 100], batches=[(16, 8)], dtypes=(torch.float64,), threads=(1,),
                       min_time=0.001, repeats=3)
