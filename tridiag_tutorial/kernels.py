@@ -116,7 +116,7 @@ def compiled_pays(rhs: torch.Tensor) -> bool:
 
 
 def factor(lower, diag, upper, torch_kernel: bool):
-    """``(lu, pivots)``: ``(*B, 4, n)`` and ``(*B, n)`` int32 (see :func:`lapack.factor`)."""
+    """``(lu, pivots)``: ``(*B, 4, n)`` and ``(*B, n)`` int32 (see :func:`tridiag_tutorial.lapack.factor`)."""
     if lapack_for(diag, torch_kernel):
         lu, pivots = lapack.factor(*_numpy(lower, diag, upper))
         return torch.from_numpy(lu), torch.from_numpy(pivots)
