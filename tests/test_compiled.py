@@ -290,3 +290,18 @@ def test_use_compiled_false_keeps_lapack(on_compiled):
     with kernels.use_compiled(False):
         tridiagonal_solve(*make_system(5, (4,), seed=56))
     assert on_compiled == {"compiled": 0, "lapack": 1}
+
+
+def test_bad_input_to_the_raw_op_names_the_problem(op):
+    """The op checks what it relies on (the public function validates before it is reached)."""
+    lower, diag, upper, rhs = make_system(5, (2,), 3, seed=57)
+    with pytest.raises(RuntimeError, match=r"shapes must be lower, upper \(\*B, n-1\)"):
+        op(lower[..., :3], diag, upper, rhs)
+    with pytest.raises(RuntimeError, match=r"one batch shape; got \[2, 4\], \[2, 5\], \[2, 4\], \[1, 5, 3\]"):
+        op(lower, diag, upper, rhs[:1])
+    with pytest.raises(RuntimeError, match="rhs must be \\(\\*B, n, k\\)"):
+        op(lower, diag, upper, rhs[..., 0])
+    with pytest.raises(RuntimeError, match="one dtype"):
+        op(lower.float(), diag, upper, rhs)
+    with pytest.raises(RuntimeError):  # integer tensors: no kernel for them
+        op(*(t.long() for t in (lower, diag, upper, rhs)))
