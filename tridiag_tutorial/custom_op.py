@@ -60,13 +60,16 @@ def _solve_backward(ctx, grad_x):
 
 
 def _vmap_rule(solve, info, in_dims, *args, out_dims=0):
-    """Batch rule shared by both paths: put the vmapped dimension first on every input.
+    """Batch rule of this op, and the general case of the other ops' rules: put the vmapped
+    dimension first on every input.
 
-    The kernel needs all four inputs to have the same batch shape, so unbatched inputs are expanded
-    along the new dimension (a view, no copy) rather than left alone.
+    The kernel needs all inputs to have the same batch shape, so unbatched inputs are expanded
+    along the new dimension (a view, no copy) rather than left alone; ``None`` arguments (absent
+    optional inputs) stay ``None``.
     """
     args = [
-        a.movedim(d, 0) if d is not None else a.expand(info.batch_size, *a.shape)
+        None if a is None else a.movedim(d, 0) if d is not None
+        else a.expand(info.batch_size, *a.shape)
         for a, d in zip(args, in_dims)
     ]
     return solve(*args), out_dims

@@ -32,25 +32,7 @@ __all__ = ["torch_kernel_on_cpu", "use_compiled", "compiled_pays", "solve", "fac
 _TORCH_KERNEL_ON_CPU = contextvars.ContextVar("tridiag_tutorial_torch_kernel_on_cpu", default=False)
 
 
-def _kernel_choice(torch_kernel: bool):
-    """Within the block, CPU tensors go to the pure-torch kernel if ``torch_kernel``, else LAPACK.
-
-    A no-op (``nullcontext``) when that is already the choice, which is also what lets Dynamo
-    trace code that states its choice (it cannot trace setting a ``ContextVar``)."""
-    if torch_kernel == _torch_kernel_on_cpu():
-        return contextlib.nullcontext()
-    return _set_kernel_choice(torch_kernel)
-
-
 @contextlib.contextmanager
-def _set_kernel_choice(torch_kernel: bool):
-    token = _TORCH_KERNEL_ON_CPU.set(torch_kernel)
-    try:
-        yield
-    finally:
-        _TORCH_KERNEL_ON_CPU.reset(token)
-
-
 def torch_kernel_on_cpu():
     """Within this block, CPU tensors go to the pure-torch kernel instead of LAPACK.
 
@@ -59,7 +41,11 @@ def torch_kernel_on_cpu():
     local to the calling thread (and asyncio task); a solve made inside the block runs its backward
     on the same kernel even when the backward runs after the block has ended.
     """
-    return _set_kernel_choice(True)
+    token = _TORCH_KERNEL_ON_CPU.set(True)
+    try:
+        yield
+    finally:
+        _TORCH_KERNEL_ON_CPU.reset(token)
 
 
 @torch.compiler.assume_constant_result

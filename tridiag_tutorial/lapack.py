@@ -260,13 +260,8 @@ def factor_solve(lu: np.ndarray, pivots: np.ndarray, rhs: np.ndarray, trans: str
     if rhs.size == 0:
         return np.empty(rhs.shape, dtype=rhs.dtype)
     if not batch and n >= 3:  # one system: ?gttrs straight on views of the factors' rows
-        if trans not in ("N", "T", "C"):
-            raise ValueError(f"gttrs: trans must be 'N', 'T' or 'C', got {trans!r}")
-        (routine,) = get_lapack_funcs(("gttrs",), (lu,))
-        x, info = routine(lu[0, : n - 1], lu[1], lu[2, : n - 1], lu[3, : n - 2], pivots, rhs,
-                          trans=trans)
-        _check_info(info, routine.typecode + "gttrs")
-        return np.ascontiguousarray(x)
+        return gttrs(LUFactors(lu[0, : n - 1], lu[1], lu[2, : n - 1], lu[3, : n - 2], pivots, n),
+                     rhs, trans)
     size = int(np.prod(batch))
     flat_lu, flat_piv = lu.reshape(size, 4, n), pivots.reshape(size, n)
     flat_rhs = rhs.reshape(size, n, rhs.shape[-1])

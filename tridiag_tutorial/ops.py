@@ -71,6 +71,7 @@ import torch
 
 from . import _compat, kernels, rules
 from ._validation import validate, validate_bands
+from .custom_op import _vmap_rule
 from .kernels import _torch_kernel_on_cpu
 
 __all__ = ["tridiagonal_solve", "tridiagonal_lu_factor", "tridiagonal_lu_solve",
@@ -134,14 +135,11 @@ def _batch_rule(solve, info, in_dims, lower, diag, upper, rhs, lu, pivots):
     becomes more columns of ``rhs``: one solve with ``k * batch`` columns, as JAX's batching rule
     does, instead of copying the matrix to every batch element. Otherwise the vmapped dimension
     goes first on every input, and unbatched inputs are expanded along it (a view)."""
-    tensors = (lower, diag, upper, rhs, lu, pivots)
     if in_dims[3] is not None and all(d is None for i, d in enumerate(in_dims) if i != 3):
         b = rhs.movedim(in_dims[3], -1)  # (*B, n, k, batch)
         x = solve(lower, diag, upper, b.reshape(*b.shape[:-2], -1), lu, pivots)
         return x.reshape(b.shape).movedim(-1, 0), 0
-    moved = [None if t is None else t.movedim(d, 0) if d is not None
-             else t.expand(info.batch_size, *t.shape) for t, d in zip(tensors, in_dims)]
-    return solve(*moved), 0
+    return _vmap_rule(solve, info, in_dims, lower, diag, upper, rhs, lu, pivots)
 
 
 def _band_grads_and_rhs(solve, needs, lower, diag, upper, x, grad_x):
@@ -283,9 +281,8 @@ def _factor_fake(lower, diag, upper, torch_kernel):
 
 @_factor_op.register_vmap
 def _factor_vmap(info, in_dims, lower, diag, upper, torch_kernel):
-    moved = [t.movedim(d, 0) if d is not None else t.expand(info.batch_size, *t.shape)
-             for t, d in zip((lower, diag, upper), in_dims[:3])]
-    return _factor_op(*moved, torch_kernel), (0, 0)
+    return _vmap_rule(lambda *bands: _factor_op(*bands, torch_kernel), info, in_dims[:3],
+                      lower, diag, upper, out_dims=(0, 0))
 
 
 def _factors(lower, diag, upper, torch_kernel: bool):
@@ -412,8 +409,7 @@ def tridiagonal_solve(lower: torch.Tensor, diag: torch.Tensor, upper: torch.Tens
     torch_kernel = _torch_kernel_on_cpu()
     lu = pivots = None
     if (not _lapack_for(p.rhs, torch_kernel) and torch.is_grad_enabled()
-            and any(t.requires_grad for t in (p.lower, p.diag, p.upper, p.rhs))
-            and not torch.jit.is_tracing()):
+            and any(t.requires_grad for t in (p.lower, p.diag, p.upper, p.rhs))):
         # The pure-torch kernel: factor once, and the backward solves with A^H from the factors.
         lu, pivots = _factors(p.lower, p.diag, p.upper, torch_kernel)
     x = _solve(p.lower, p.diag, p.upper, p.rhs, lu, pivots, "N", torch_kernel)
@@ -486,11 +482,7 @@ def tridiagonal_lu_factor(lower: torch.Tensor, diag: torch.Tensor,
         tensor([1., 2., 3.])
     """
     lower, diag, upper = validate_bands(lower, diag, upper, name="tridiagonal_lu_factor")
-    torch_kernel = _torch_kernel_on_cpu()
-    if torch.compiler.is_compiling():
-        lu, pivots = _factor_op(lower.detach(), diag.detach(), upper.detach(), torch_kernel)
-    else:
-        lu, pivots = _factors(lower, diag, upper, torch_kernel)
+    lu, pivots = _factors(lower, diag, upper, _torch_kernel_on_cpu())  # the op under compile
     return TridiagonalFactors(lower, diag, upper, lu, pivots)
 
 
