@@ -4,7 +4,7 @@ import pytest
 import torch
 from torch.autograd import gradcheck, gradgradcheck
 
-from tridiag_tutorial import dense_solve, tridiagonal_solve
+from tridiag_tutorial import dense_solve, kernels, tridiagonal_solve
 from tridiag_tutorial.autograd_function import tridiagonal_solve_function
 from tridiag_tutorial.custom_op import tridiagonal_solve_custom_op, tridiagonal_solve_op
 from tridiag_tutorial.ops import _factor_op, _factors, _kernel_op
@@ -100,16 +100,18 @@ def test_opcheck_strided_rhs():
     assert set(result.values()) == {"SUCCESS"}, result
 
 
-@pytest.mark.parametrize("kernel", ["lapack", "torch"])
+@pytest.mark.parametrize("kernel", ["lapack", "torch", "partitioned"])
 @pytest.mark.parametrize("factors, trans", [(False, "N"), (True, "N"), (True, "T"), (True, "C")],
                          ids=["bands", "factors-N", "factors-T", "factors-C"])
 @pytest.mark.parametrize("strided", [False, True], ids=["contiguous", "transposed-rhs"])
 def test_opcheck_kernel_ops(kernel, factors, trans, strided):
-    """The compiled path's ops: schema, fake kernels (shapes, dtypes, strides), vmap, AOT."""
-    lower, diag, upper, rhs = make_system(5, (2,), 3, dtype=torch.complex128, seed=11)
+    """The compiled path's ops: schema, fake kernels (shapes, dtypes, strides), vmap, AOT.
+    ``"partitioned"``: the torch kernels at a size that takes the partitioned kernel."""
+    n = kernels.PARTITIONED_MIN_N + 3 if kernel == "partitioned" else 5
+    lower, diag, upper, rhs = make_system(n, (2,), 3, dtype=torch.complex128, seed=11)
     if strided:
         rhs = rhs.mT.contiguous().mT
-    torch_kernel = kernel == "torch"
+    torch_kernel = kernel != "lapack"
     result = torch.library.opcheck(_factor_op, (lower, diag, upper, torch_kernel))
     assert set(result.values()) == {"SUCCESS"}, result
     lu, pivots = _factors(lower, diag, upper, torch_kernel) if factors else (None, None)

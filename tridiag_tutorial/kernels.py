@@ -4,7 +4,11 @@ r"""Which kernel solves, in one place: LAPACK, the compiled C++ kernel, or the p
   (:mod:`tridiag_tutorial.compiled`) once :func:`tridiag_tutorial.compiled.load` has built it,
   for the problems where it measured faster (:func:`compiled_pays`); the pure-torch kernel
   inside :func:`torch_kernel_on_cpu`.
-- **Every other device**: the pure-torch kernel (:mod:`tridiag_tutorial.torch_kernel`).
+- **Every other device**: kernels in torch ops. Systems of ``n >= PARTITIONED_MIN_N`` unknowns go
+  to the partitioned kernel (:mod:`tridiag_tutorial.partitioned`, O(log n) dispatched operations),
+  smaller ones to the sequential pivoting kernel (:mod:`tridiag_tutorial.torch_kernel`, O(n)
+  operations, each on the whole batch); see :func:`partitioned_pays`. The factorization
+  (:func:`factor`, and a solve from factors) is always the sequential kernel's.
 
 All functions here take validated inputs of one batch shape with a matrix right-hand side
 ``(*B, n, k)``, return new tensors and never modify their inputs. The ops of
@@ -20,10 +24,11 @@ import contextvars
 
 import torch
 
-from . import compiled, lapack
+from . import compiled, lapack, partitioned
 from . import torch_kernel as _pure_torch  # a module; "torch_kernel" below is the kernel choice
 
-__all__ = ["torch_kernel_on_cpu", "use_compiled", "compiled_pays", "solve", "factor"]
+__all__ = ["torch_kernel_on_cpu", "use_compiled", "compiled_pays", "use_partitioned",
+           "partitioned_pays", "solve", "factor"]
 
 # Which kernel a CPU tensor goes to is context-local state (a ContextVar: each thread, and each
 # asyncio task, has its own), never a module global: a block in one thread cannot change the kernel
@@ -34,9 +39,10 @@ _TORCH_KERNEL_ON_CPU = contextvars.ContextVar("tridiag_tutorial_torch_kernel_on_
 
 @contextlib.contextmanager
 def torch_kernel_on_cpu():
-    """Within this block, CPU tensors go to the pure-torch kernel instead of LAPACK.
+    """Within this block, CPU tensors go to the kernels in torch ops instead of LAPACK.
 
-    The pure-torch kernel is the one other devices (CUDA) use; this lets the tests and the book
+    These kernels (the sequential pivoting kernel and the partitioned one, chosen by
+    :func:`partitioned_pays`) are the ones other devices (CUDA) use; this lets the tests and the book
     run that exact code path, through the custom ops, on a machine without a GPU. The choice is
     local to the calling thread (and asyncio task); a solve made inside the block runs its backward
     on the same kernel even when the backward runs after the block has ended.
@@ -101,6 +107,50 @@ def compiled_pays(rhs: torch.Tensor) -> bool:
     return rhs.shape[:-2].numel() >= 2 or rhs.shape[-2] <= COMPILED_ONE_SYSTEM_MAX_N
 
 
+PARTITIONED_MIN_N = 64  # measured: see partitioned_pays
+
+# Whether solves in torch ops may use the partitioned kernel (context-local, like the choices
+# above; the benchmark suite turns it off to time the sequential kernel alone).
+_USE_PARTITIONED = contextvars.ContextVar("tridiag_tutorial_use_partitioned", default=True)
+
+
+@contextlib.contextmanager
+def use_partitioned(enabled: bool):
+    """Within the block, solves in torch ops use the partitioned kernel where it pays (``True``,
+    the default) or always the sequential pivoting kernel (``False``). Like
+    :func:`torch_kernel_on_cpu`, a compiled function keeps the choice it was traced with."""
+    token = _USE_PARTITIONED.set(enabled)
+    try:
+        yield
+    finally:
+        _USE_PARTITIONED.reset(token)
+
+
+@torch.compiler.assume_constant_result
+def _partitioned_allowed() -> bool:
+    return _USE_PARTITIONED.get()
+
+
+def partitioned_pays(rhs: torch.Tensor) -> bool:
+    """Whether a solve without factors in torch ops takes the partitioned kernel rather than the
+    sequential one: for ``n >= PARTITIONED_MIN_N`` unknowns, whatever the batch.
+
+    The sequential kernel dispatches about 37 operations per row (36,990 for n = 1000), the
+    partitioned one a number that grows like ``log n`` (999 for n = 1000, 1,549 for n = 1e5,
+    1,817 for n = 1e6, with blocks of :data:`tridiag_tutorial.partitioned.BLOCK` = 4 rows), each
+    on more data. Measured on the CPU (the only device measured; ``python -m
+    tridiag_tutorial.benchmarks --torch-kernels-only``, float64, 1 and 2 threads, the committed
+    ``torch_kernels`` rows), partitioned / sequential time was 0.29 to 0.35 at n = 64 and 0.10 to
+    0.18 at n = 256 for one system and for 64 systems; for 1024 systems, whose every operation
+    is large already, it was 0.75 to 0.99 at n = 64, 0.93 to 1.09 from n = 48 to 256 on one
+    thread, and 1.04 to 1.53 below n = 48. So from n = 64 the partitioned kernel was much faster
+    or within 10%. On a GPU, where each operation is a kernel launch of several microseconds,
+    the count matters more still. Inside ``use_partitioned(False)`` it is never taken. ``rhs`` is
+    the validated ``(*B, n, k)`` right-hand side.
+    """
+    return rhs.shape[-2] >= PARTITIONED_MIN_N and _partitioned_allowed()
+
+
 def factor(lower, diag, upper, torch_kernel: bool):
     """``(lu, pivots)``: ``(*B, 4, n)`` and ``(*B, n)`` int32 (see :func:`tridiag_tutorial.lapack.factor`)."""
     if lapack_for(diag, torch_kernel):
@@ -119,6 +169,8 @@ def solve(lower, diag, upper, rhs, lu, pivots, trans: str, torch_kernel: bool):
             return compiled.op()(lower, diag, upper, rhs)
         if on_cpu:
             return torch.from_numpy(lapack.solve(*_numpy(lower, diag, upper, rhs)))
+        if partitioned_pays(rhs):
+            return partitioned.solve(lower, diag, upper, rhs)
         return _pure_torch.solve(lower, diag, upper, rhs)
     if on_cpu:
         return torch.from_numpy(lapack.factor_solve(*_numpy(lu, pivots, rhs), trans))

@@ -10,7 +10,8 @@ Design (chapter 7 explains it; chapter 5 shows the traps it gets around)::
         |                                           an Autograd kernel that works under
         |                                           torch.func, and a vmap rule
         `-- all run the same kernels (tridiag_tutorial.kernels): LAPACK on CPU (the compiled
-            C++ kernel for batches, once loaded), the batched torch kernel elsewhere
+            C++ kernel for batches, once loaded), kernels in torch ops elsewhere (the
+            sequential pivoting kernel, or the partitioned one for n >= 64)
 
 Why two paths? On torch 2.13 (measured in chapter 5):
 
@@ -48,9 +49,9 @@ has run, the compiled kernel where it measured faster; the pure-torch kernel und
 :mod:`tridiag_tutorial.kernels`. The pure-torch choice is context-local state; each path saves
 the choice its forward made and its backward and ``jvp`` run on the same kernel.
 
-Factor reuse. On the pure-torch kernel (every device but the CPU) factoring costs about twice
-a solve with the factors, so when a backward pass will follow, the public function factors
-``A = LU`` once (:func:`tridiagonal_lu_factor`'s op) and the backward solves ``A^H v = g`` from
+Factor reuse. On the sequential pure-torch kernel (every device but the CPU, for n < 64)
+factoring costs about twice a solve with the factors, so when a backward pass will follow, the
+public function factors ``A = LU`` once (:func:`tridiagonal_lu_factor`'s op) and the backward solves ``A^H v = g`` from
 the same factors. With LAPACK it does not pay: ``?gtsv`` factors and solves in one sweep, so
 ``?gttrf`` + two ``?gttrs`` do nearly the work of two ``?gtsv``, and over a whole forward and
 backward keeping the factors was slower in most cases measured and at best about 10% faster
@@ -408,9 +409,11 @@ def tridiagonal_solve(lower: torch.Tensor, diag: torch.Tensor, upper: torch.Tens
     p = validate(lower, diag, upper, rhs)
     torch_kernel = _torch_kernel_on_cpu()
     lu = pivots = None
-    if (not _lapack_for(p.rhs, torch_kernel) and torch.is_grad_enabled()
+    if (not _lapack_for(p.rhs, torch_kernel) and not kernels.partitioned_pays(p.rhs)
+            and torch.is_grad_enabled()
             and any(t.requires_grad for t in (p.lower, p.diag, p.upper, p.rhs))):
-        # The pure-torch kernel: factor once, and the backward solves with A^H from the factors.
+        # The sequential torch kernel: factor once, and the backward solves with A^H from the
+        # factors. (The partitioned kernel, for larger n, solves again with A^H in the backward.)
         lu, pivots = _factors(p.lower, p.diag, p.upper, torch_kernel)
     x = _solve(p.lower, p.diag, p.upper, p.rhs, lu, pivots, "N", torch_kernel)
     return x.squeeze(-1) if p.vector_rhs else x
@@ -464,7 +467,10 @@ def tridiagonal_lu_factor(lower: torch.Tensor, diag: torch.Tensor,
     r"""Factor ``A = P L U`` once (LU with partial pivoting), to solve with it many times.
 
     The bands follow :func:`tridiagonal_solve`'s conventions and broadcast. On CPU this is LAPACK
-    ``?gttrf``; on other devices the pure-torch kernel, which makes the same pivot choices.
+    ``?gttrf``; on other devices the sequential pure-torch kernel, which makes the same pivot
+    choices. There, factoring and solving from the factors dispatch O(n) torch operations, so for
+    systems of ``n >= 64`` on a GPU :func:`tridiagonal_solve` (the partitioned kernel, O(log n)
+    operations) is likely the faster way to solve repeatedly; measure both.
     Pass the result to :func:`tridiagonal_lu_solve`. Works eagerly, under ``torch.compile`` and
     under ``torch.func`` transforms.
 

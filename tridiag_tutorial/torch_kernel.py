@@ -9,8 +9,9 @@ swapped with row ``i + 1`` when ``|lower[i]| > |diag[i]|``; for complex numbers 
 ``|re| + |im|`` is used, as in ``zgttrf``), so it is as stable as LAPACK: no diagonal dominance is
 needed. Each elimination step is a handful of elementwise torch ops on all systems of the batch at
 once, and the steps run one after another, so the cost is O(n) *kernel launches*: the kernel is
-fast for large batches of small and moderate systems, and slow for one huge system (there, a
-parallel method such as cyclic reduction would win, at the price of pivoting). The factors have the
+fast for batches of small systems, and slow for one large system. Larger systems go to
+:mod:`tridiag_tutorial.partitioned`, which solves blocks of this kernel's systems all at once and
+needs O(log n) operations (see :func:`tridiag_tutorial.kernels.partitioned_pays`). The factors have the
 layout of :func:`tridiag_tutorial.lapack.factor`: ``lu`` ``(*batch, 4, n)`` with rows
 ``dl, d, du, du2`` and ``pivots`` ``(*batch, n)``, LAPACK's 1-based ``ipiv`` of each system.
 
@@ -24,7 +25,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-__all__ = ["factor", "lu_solve", "solve"]
+__all__ = ["factor", "factor_unchecked", "lu_solve", "solve"]
 
 
 def _magnitude(t: torch.Tensor) -> torch.Tensor:
@@ -35,7 +36,19 @@ def _magnitude(t: torch.Tensor) -> torch.Tensor:
 def factor(lower: torch.Tensor, diag: torch.Tensor, upper: torch.Tensor):
     """LU with partial pivoting of a batch: bands ``(*batch, n-1)``, ``(*batch, n)``,
     ``(*batch, n-1)`` -> ``(lu, pivots)``, ``(*batch, 4, n)`` and ``(*batch, n)`` int32 (the layout
-    of :func:`tridiag_tutorial.lapack.factor`). Inputs are not modified."""
+    of :func:`tridiag_tutorial.lapack.factor`). Inputs are not modified.
+
+    Raises:
+        torch.linalg.LinAlgError: a pivot is exactly zero (the matrix is singular).
+    """
+    lu, pivots = factor_unchecked(lower, diag, upper)
+    _check_pivots(lu[..., 1, :])
+    return lu, pivots
+
+
+def factor_unchecked(lower: torch.Tensor, diag: torch.Tensor, upper: torch.Tensor):
+    """:func:`factor` without the check for a zero pivot (and so without reading anything back
+    from the device): a zero pivot stays in ``lu[..., 1, :]`` for the caller to look at."""
     n = diag.shape[-1]
     d = list(diag.unbind(-1))
     du = list(upper.unbind(-1))
@@ -62,7 +75,6 @@ def factor(lower: torch.Tensor, diag: torch.Tensor, upper: torch.Tensor):
     pad = [zero]
     rows = [multipliers + pad, d, du + pad, du2 + [zero] * (n - len(du2))]
     lu = torch.stack([torch.stack(r, dim=-1) for r in rows], dim=-2)
-    _check_pivots(lu[..., 1, :])
     rows_1_based = torch.arange(1, n + 1, dtype=torch.int32, device=diag.device)
     swapped = torch.stack(swaps + [torch.zeros_like(diag[..., 0], dtype=torch.bool)], dim=-1)
     return lu, rows_1_based + swapped.to(torch.int32)

@@ -1,0 +1,278 @@
+"""The partitioned kernel: dense references (pivoting included), its breakdowns and their fallback,
+the operation count that pins O(log n), and the op's compositions on it."""
+
+import pytest
+import torch
+from torch.autograd import gradcheck, gradgradcheck
+from torch.func import grad, hessian, jacfwd, jacrev, jvp, vmap
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from tridiag_tutorial import dense_solve, kernels, partitioned, torch_kernel, tridiagonal_solve
+from tridiag_tutorial.custom_op import torch_kernel_on_cpu
+
+from conftest import ALL_DTYPES, assert_close, assert_grads_match_dense, make_system
+
+N = kernels.PARTITIONED_MIN_N + 6  # a size the op sends to the partitioned kernel
+
+
+@pytest.fixture
+def no_fallback(monkeypatch):
+    """The sequential kernel's solve (the fallback) must not run: the partitioned result stands."""
+    monkeypatch.setattr(torch_kernel, "solve", lambda *a: pytest.fail("the fallback ran"))
+
+
+@pytest.fixture
+def fallbacks(monkeypatch):
+    calls, original = [], torch_kernel.solve
+    monkeypatch.setattr(torch_kernel, "solve", lambda *a: calls.append(1) or original(*a))
+    return calls
+
+
+def dense(lower, diag, upper, rhs):
+    """The dense reference, one system at a time: on torch 2.13's CPU build, once
+    torch.set_num_threads has been called (the benchmark tests do), a *batched*
+    torch.linalg.solve of n >= 500 can fail inside oneMKL ("Pivots given to lu_solve must all be
+    greater or equal to 1"); unbatched solves do not."""
+    batch = diag.shape[:-1]
+    flat = [t.reshape(-1, *t.shape[len(batch):]) for t in (lower, diag, upper, rhs)]
+    return torch.stack([dense_solve(*system) for system in zip(*flat)]).reshape(rhs.shape)
+
+
+def backward_error(lower, diag, upper, rhs, x):
+    A = torch.diag_embed(diag) + torch.diag_embed(lower, -1) + torch.diag_embed(upper, 1)
+    residual = (A @ x - rhs).abs().flatten(-2).amax(-1)
+    norm_a = A.abs().sum(-1).amax(-1)
+    return residual / (norm_a * x.abs().flatten(-2).amax(-1) + rhs.abs().flatten(-2).amax(-1))
+
+
+@pytest.mark.parametrize("dtype", ALL_DTYPES, ids=str)
+@pytest.mark.parametrize("n", [23, 64, 65, 100, 1000])
+@pytest.mark.parametrize("batch, k", [((), 1), ((3,), 2), ((2, 2), 1)], ids=["one", "batch", "2d"])
+def test_matches_dense(no_fallback, dtype, n, batch, k):
+    """Not diagonally dominant (pivoting inside the blocks matters), every dtype, batches."""
+    lower, diag, upper, rhs = make_system(n, batch, k, dtype=dtype, seed=n + k)
+    inputs = [t.clone() for t in (lower, diag, upper, rhs)]
+    x = partitioned.solve(lower, diag, upper, rhs)
+    assert_close(x, dense(lower, diag, upper, rhs), dtype)
+    for t, before in zip((lower, diag, upper, rhs), inputs):
+        assert torch.equal(t, before)  # inputs unchanged
+
+
+@pytest.mark.parametrize("block", [2, 3, 4, 8, 31])
+@pytest.mark.parametrize("n", [70, 333])
+def test_every_block_size_and_ragged_n(no_fallback, block, n):
+    """Any block size, and n that fills no whole number of blocks (the padding rows)."""
+    args = make_system(n, (2,), 3, seed=block)
+    x = partitioned.solve(*args, block=block)
+    assert_close(x, dense(*args))
+    assert len(partitioned.levels(n, block)) >= 2  # it did partition
+
+
+@pytest.mark.parametrize("dtype", ALL_DTYPES, ids=str)
+@pytest.mark.parametrize("n", [500, 1002])
+def test_zero_diagonal_needs_pivoting_at_every_step(no_fallback, dtype, n):
+    """Diagonal exactly zero, off-diagonals near 1 (condition number about n; n even, since a
+    tridiagonal matrix of odd order with a zero diagonal is singular): elimination without
+    pivoting would divide by zero at its first step."""
+    lower, _, upper, rhs = make_system(n, (2,), 1, dtype=dtype, seed=5)
+    phase = torch.tensor(0.6 + 0.8j) if dtype.is_complex else torch.tensor(1.0)
+    lower, upper = ((1 + 0.1 * t.abs()) * phase.to(dtype) for t in (lower, upper))
+    diag = torch.zeros(2, n, dtype=dtype)
+    x = partitioned.solve(lower, diag, upper, rhs)
+    eps = torch.finfo(dtype).eps
+    assert backward_error(lower, diag, upper, rhs, x).max() < 100 * eps
+    assert_close(x, dense(lower, diag, upper, rhs), dtype)
+
+
+def singular_block_system(n=N):
+    """Nonsingular A whose first block (rows 0-3 with BLOCK = 4) is singular: its last row has
+    no entry inside the block, only the coupling to the separator, row 4."""
+    lower, diag, upper, rhs = make_system(n, (3,), 1, seed=7)
+    lower[1, 2], diag[1, 3] = 0.0, 0.0  # system 1, block 0, row 3: only A[3, 4] is left
+    return lower, diag, upper, rhs
+
+
+def test_singular_block_of_a_nonsingular_matrix_falls_back(fallbacks):
+    lower, diag, upper, rhs = singular_block_system()
+    assert torch.linalg.matrix_rank(torch.diag_embed(diag[1]) + torch.diag_embed(lower[1], -1)
+                                    + torch.diag_embed(upper[1], 1)) == N
+    x = partitioned.solve(lower, diag, upper, rhs)
+    assert fallbacks == [1]
+    assert_close(x, dense(lower, diag, upper, rhs))
+
+
+def test_nearly_singular_block_falls_back_rather_than_lose_accuracy(fallbacks):
+    """A block with a pivot of 1e-13: the spikes blow up and so would the error, so the backward
+    error check sends the solve to the sequential kernel."""
+    lower, diag, upper, rhs = singular_block_system()
+    diag[1, 3] = 1e-13
+    zero_pivots = []
+    unchecked = partitioned._solve(lower, diag, upper, rhs, partitioned.BLOCK, zero_pivots)
+    assert backward_error(lower, diag, upper, rhs, unchecked)[1] > 1e3 * torch.finfo(torch.float64).eps
+    x = partitioned.solve(lower, diag, upper, rhs)
+    assert fallbacks == [1]
+    assert backward_error(lower, diag, upper, rhs, x).max() < 100 * torch.finfo(x.dtype).eps
+    assert_close(x, dense(lower, diag, upper, rhs))
+
+
+def test_singular_matrix_raises_through_the_fallback():
+    lower, diag, upper, rhs = make_system(N, (2, 3), 1, seed=8)
+    diag[1, 0, 40], lower[1, 0, 40], upper[1, 0, 39] = 0.0, 0.0, 0.0  # column 40 is zero
+    with pytest.raises(torch.linalg.LinAlgError,
+                       match=r"singular: pivot U\[40, 40\] is exactly zero, in batch element \(1, 0\)$"):
+        partitioned.solve(lower, diag, upper, rhs)
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_non_finite_input_stays_in_its_own_system(no_fallback, bad):
+    lower, diag, upper, rhs = make_system(N, (4,), 2, seed=9)
+    rhs[1, 30, 0] = bad
+    x = partitioned.solve(lower, diag, upper, rhs)
+    assert not torch.isfinite(x[1]).all()
+    others = [0, 2, 3]
+    assert_close(x[others], dense(lower[others], diag[others], upper[others], rhs[others]))
+
+
+def test_zero_rhs_gives_zero_without_fallback(no_fallback):
+    lower, diag, upper, rhs = make_system(N, (), 1, seed=10)
+    assert torch.equal(partitioned.solve(lower, diag, upper, torch.zeros_like(rhs)),
+                       torch.zeros_like(rhs))
+
+
+def test_block_must_be_at_least_two():
+    with pytest.raises(ValueError, match="block must be at least 2"):
+        partitioned.solve(*make_system(N, (), 1), block=1)
+
+
+class CountOps(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+def count_ops(fn, *args):
+    with CountOps() as counter:
+        fn(*args)
+    return counter.count
+
+
+def test_operation_count_grows_like_log_n():
+    """Counted with a dispatch mode, not timed: from n = 1e4 to 1e5 the sequential kernel's
+    count grows tenfold; the partitioned one's by one level of the recursion."""
+    counts = {n: count_ops(partitioned.solve, *make_system(n, (), 1, seed=n, dominant=True))
+              for n in (10**4, 10**5)}
+    assert counts[10**5] <= 1.5 * counts[10**4]
+    assert counts[10**5] < 3000  # about 30 operations per row: the sequential kernel'd need 3e6
+    sequential = count_ops(torch_kernel.solve, *make_system(100, (), 1, seed=1))
+    assert sequential > 30 * 100  # the premise: O(n) for the sequential kernel
+
+
+def test_operation_count_through_the_op_forward_and_backward():
+    """The public op on the torch kernels, forward and backward of all four inputs, n = 1e5."""
+    args = make_system(10**5, (), 1, seed=11, dominant=True, requires_grad=True)
+
+    def forward_backward():
+        with torch_kernel_on_cpu():
+            x = tridiagonal_solve(*args)
+            torch.autograd.grad(x.square().sum(), args)
+
+    assert count_ops(forward_backward) < 7000
+
+
+def test_the_op_chooses_by_size(monkeypatch):
+    calls, original = [], partitioned.solve
+    monkeypatch.setattr(partitioned, "solve", lambda *a: calls.append(a[1].shape[-1]) or original(*a))
+    for n in (kernels.PARTITIONED_MIN_N - 1, kernels.PARTITIONED_MIN_N):
+        args = make_system(n, (2,), 1, seed=n)
+        with torch_kernel_on_cpu():
+            assert_close(tridiagonal_solve(*args), dense(*args))
+        tridiagonal_solve(*args)  # LAPACK, on the CPU by default
+    assert calls == [kernels.PARTITIONED_MIN_N]
+
+
+def test_use_partitioned_false_keeps_the_sequential_kernel(monkeypatch):
+    monkeypatch.setattr(partitioned, "solve", lambda *a: pytest.fail("the partitioned kernel ran"))
+    args = make_system(N, (2,), 1, seed=16, requires_grad=True)
+    with torch_kernel_on_cpu(), kernels.use_partitioned(False):
+        x = tridiagonal_solve(*args)
+        grads = torch.autograd.grad(x.square().sum(), args)
+        compiled = torch.compile(lambda *a: tridiagonal_solve(*a).square().sum(), fullgraph=True)
+        assert_close(torch.autograd.grad(compiled(*args), args)[1], grads[1])
+    assert_grads_match_dense(grads, args, lambda x: x.square().sum())
+
+
+def test_backward_solves_with_the_adjoint_on_the_partitioned_kernel(monkeypatch):
+    """No factors are kept for the partitioned kernel: the backward solves A^H v = g with it."""
+    calls, original = [], partitioned.solve
+    monkeypatch.setattr(partitioned, "solve", lambda *a: calls.append(1) or original(*a))
+    monkeypatch.setattr(torch_kernel, "factor", lambda *a: pytest.fail("factored"))
+    args = make_system(N, (2,), 2, dtype=torch.complex128, requires_grad=True, seed=12)
+    loss = lambda x: x.abs().square().sum()
+    with torch_kernel_on_cpu():
+        grads = torch.autograd.grad(loss(tridiagonal_solve(*args)), args)
+    assert calls == [1, 1]
+    assert_grads_match_dense(grads, args, loss)
+
+
+def test_gradcheck_forward_ad_and_second_order_on_the_partitioned_kernel():
+    args = make_system(N, (2,), 2, seed=13, requires_grad=True)
+    with torch_kernel_on_cpu():
+        assert gradcheck(tridiagonal_solve, args, check_forward_ad=True, check_batched_grad=True)
+        assert gradgradcheck(tridiagonal_solve, args)
+
+
+def test_torch_func_on_the_partitioned_kernel():
+    lower, diag, upper, rhs = make_system(N, (), None, seed=14)
+    f = lambda d: tridiagonal_solve(lower, d, upper, rhs).square().sum()
+    f_dense = lambda d: dense_solve(lower, d, upper, rhs).square().sum()
+    with torch_kernel_on_cpu():
+        assert_close(grad(f)(diag), grad(f_dense)(diag))
+        x_of = lambda d: tridiagonal_solve(lower, d, upper, rhs)
+        x_dense = lambda d: dense_solve(lower, d, upper, rhs)
+        assert_close(jacrev(x_of)(diag), jacrev(x_dense)(diag))
+        assert_close(jacfwd(x_of)(diag), jacrev(x_dense)(diag))
+        t = torch.ones_like(diag)
+        assert_close(jvp(x_of, (diag,), (t,))[1], jvp(x_dense, (diag,), (t,))[1])
+        assert_close(hessian(f)(diag), hessian(f_dense)(diag))
+        diags = diag + torch.linspace(0, 0.1, 3, dtype=diag.dtype)[:, None]
+        assert_close(vmap(grad(f))(diags), vmap(grad(f_dense))(diags))
+
+
+def test_compiled_on_the_partitioned_kernel(monkeypatch):
+    calls, original = [], partitioned.solve
+    monkeypatch.setattr(partitioned, "solve", lambda *a: calls.append(1) or original(*a))
+    args = make_system(N, (2,), 1, seed=15, requires_grad=True)
+    loss = lambda *a: tridiagonal_solve(*a).square().sum()
+    torch._dynamo.reset()
+    with torch_kernel_on_cpu():
+        explanation = torch._dynamo.explain(loss)(*args)
+    assert explanation.graph_break_count == 0
+    calls.clear()
+    torch._dynamo.reset()
+    with torch_kernel_on_cpu():
+        value = torch.compile(loss, fullgraph=True)(*args)
+        grads = torch.autograd.grad(value, args)
+    assert calls == [1, 1]  # forward, and the backward's solve with A^T
+    assert_grads_match_dense(grads, args, lambda x: x.square().sum())
+
+
+CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+
+
+@CUDA
+@pytest.mark.parametrize("dtype", ALL_DTYPES, ids=str)
+def test_cuda_partitioned_matches_dense_with_gradients(dtype):
+    args = make_system(1000, (3,), 2, dtype=dtype, seed=17)
+    on_gpu = [a.cuda().requires_grad_() for a in args]
+    x = tridiagonal_solve(*on_gpu)
+    assert x.device.type == "cuda"
+    assert_close(x.detach().cpu(), dense(*args), dtype)
+    grads = torch.autograd.grad(x.abs().square().sum(), on_gpu)
+    expected = torch.autograd.grad(dense(*(a.requires_grad_() for a in args)).abs().square().sum(),
+                                   args)
+    for g, e in zip(grads, expected):
+        assert_close(g.cpu(), e, dtype)
