@@ -5,7 +5,7 @@ import json
 import pytest
 import torch
 
-from tridiag_tutorial import benchmarks, lapack
+from tridiag_tutorial import benchmarks, kernels, lapack
 
 
 @pytest.fixture(scope="module")
@@ -86,3 +86,42 @@ def test_quick_compiled_kernel_experiment(tmp_path):
         assert r["seconds"] > 0
         if r["impl"] == "dgtsv (raw LAPACK)":
             assert r["ratio"] == 1.0
+
+
+def test_pure_torch_kernel_cases_time_the_sequential_kernel(monkeypatch):
+    """The suite's "pure-torch kernel" is the sequential pivoting kernel, also at n >= 64."""
+    from tridiag_tutorial import partitioned
+
+    monkeypatch.setattr(partitioned, "solve", lambda *a: pytest.fail("the partitioned kernel ran"))
+    args = benchmarks._problem(kernels.PARTITIONED_MIN_N, 0, torch.float64)
+    kernel = "pure-torch kernel"
+    for mode in ("forward", "backward"):
+        benchmarks._torch_callable(benchmarks.TORCH_IMPLS[kernel], args, mode,
+                                   benchmarks.CONTEXTS[kernel])()
+
+
+def test_quick_torch_kernels_experiment(tmp_path):
+    """--torch-kernels-only times the sequential and partitioned kernels beside dgtsv, counts
+    their operations, and merges into an existing results file."""
+    old = tmp_path / "old.json"
+    old.write_text(json.dumps({"results": [{"kept": True}]}))
+    out = tmp_path / "new.json"
+    benchmarks.main(["--torch-kernels-only", "--quick", "--merge", str(old), "--out", str(out)])
+    saved = json.loads(out.read_text())
+    assert saved["results"] == [{"kept": True}] and saved["torch_kernels_machine"]
+    rows = {(r["impl"], r["n"], r["batch"]): r for r in saved["torch_kernels"]}
+    assert set(rows) == {(impl, n, batch) for n, batch in [(16, 4), (100, 0)] for impl in (
+        "sequential torch kernel", "partitioned torch kernel", "dgtsv (raw LAPACK)")}
+    for (impl, n, batch), r in rows.items():
+        assert r["seconds"] > 0
+        if impl == "dgtsv (raw LAPACK)":
+            assert r["ratio"] == 1.0 and r["operations"] is None
+        else:
+            assert r["operations"] > 0
+    # at n = 100 the sequential kernel dispatches O(n) operations, the partitioned one fewer
+    assert rows[("sequential torch kernel", 100, 0)]["operations"] > 30 * 100
+    assert (rows[("partitioned torch kernel", 100, 0)]["operations"]
+            < rows[("sequential torch kernel", 100, 0)]["operations"] / 3)
+    assert rows[("partitioned torch kernel", 100, 0)]["vs_sequential"] == pytest.approx(
+        rows[("partitioned torch kernel", 100, 0)]["seconds"]
+        / rows[("sequential torch kernel", 100, 0)]["seconds"])

@@ -31,6 +31,7 @@ the measurements of an earlier op that could keep LAPACK's factors for its backw
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
@@ -46,12 +47,14 @@ import scipy.linalg
 import torch
 from scipy.linalg import get_lapack_funcs
 
+from . import kernels
 from .autograd_function import tridiagonal_solve_function
 from .custom_op import torch_kernel_on_cpu, tridiagonal_solve_custom_op
 from .ops import tridiagonal_lu_factor, tridiagonal_lu_solve, tridiagonal_solve
 from .reference import dense_solve
 
-__all__ = ["run", "run_time_stepping", "run_compiled_kernel", "evaluate_targets", "main"]
+__all__ = ["run", "run_time_stepping", "run_compiled_kernel", "run_torch_kernels",
+           "evaluate_targets", "main"]
 
 SINGLE_SIZES = [10**2, 10**3, 10**4, 10**5, 10**6]
 BATCHES = [(1024, 256), (16384, 64), (100000, 8)]
@@ -165,7 +168,19 @@ TORCH_IMPLS = {
 COMPILED = ["ch5 custom_op", "tridiagonal_solve (final)"]
 # The context an implementation runs in: forward *and* backward, since the backward runs the
 # kernel again (a context around the forward alone would leave the backward to LAPACK).
-CONTEXTS = {"pure-torch kernel": torch_kernel_on_cpu}
+#
+# "pure-torch kernel" is the sequential pivoting kernel (tridiag_tutorial.torch_kernel) alone:
+# the op would send the systems of n >= 64 to the partitioned kernel, which run_torch_kernels
+# times against it.
+
+
+@contextlib.contextmanager
+def _sequential_torch_kernel():
+    with torch_kernel_on_cpu(), kernels.use_partitioned(False):
+        yield
+
+
+CONTEXTS = {"pure-torch kernel": _sequential_torch_kernel}
 
 
 def _wanted(impl: str, n: int, batch: int) -> bool:
@@ -381,6 +396,66 @@ def run_compiled_kernel(cases=COMPILED_CASES, threads=(1, None), min_time=0.2, r
     return rows
 
 
+# The kernels in torch ops (for devices other than the CPU, timed here on the CPU): the sequential
+# pivoting kernel against the partitioned one, with the dgtsv loop as the baseline; float64, one
+# right-hand side, timed in alternation. The sequential kernel only up to n = 1000 (one system of
+# 10^4 would take seconds per call). Each row also has the number of operations dispatched.
+TORCH_KERNEL_CASES = ([(n, b) for b in (0, 64, 1024) for n in (16, 32, 48, 64, 128, 256)]
+                      + [(1000, 0), (10**4, 0), (10**5, 0), (10**6, 0)])
+
+
+def _count_operations(fn) -> int:
+    """The number of operations ``fn()`` dispatches to kernels (a ``TorchDispatchMode`` count)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        count = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            Count.count += 1
+            return func(*args, **(kwargs or {}))
+
+    with Count():
+        fn()
+    return Count.count
+
+
+def run_torch_kernels(cases=TORCH_KERNEL_CASES, threads=(1, None), min_time=0.2, repeats=15,
+                      log=print):
+    """Time the sequential torch kernel (:func:`tridiag_tutorial.torch_kernel.solve`), the
+    partitioned one (:func:`tridiag_tutorial.partitioned.solve`) and the ``dgtsv`` loop, forward,
+    float64. Returns rows with ``seconds``, ``operations`` (dispatched, for the torch kernels),
+    ``ratio`` to the ``dgtsv`` loop and ``vs_sequential`` (partitioned / sequential)."""
+    from . import partitioned
+    from . import torch_kernel as sequential
+    rows = []
+    default_threads = torch.get_num_threads()
+    for nthreads in threads:
+        torch.set_num_threads(nthreads or default_threads)
+        actual = torch.get_num_threads()
+        for n, batch in cases:
+            args = _problem(n, batch, torch.float64)
+            matrix = [*args[:3], args[3].unsqueeze(-1)]
+            fns = {"partitioned torch kernel": lambda: partitioned.solve(*matrix),
+                   "dgtsv (raw LAPACK)": _raw_gtsv(args)}
+            if n <= TORCH_KERNEL_MAX_N:
+                fns["sequential torch kernel"] = lambda: sequential.solve(*matrix)
+            medians = _time_interleaved(fns, min_time, repeats)
+            for impl, seconds in medians.items():
+                row = dict(impl=impl, n=n, batch=batch, threads=actual, seconds=seconds,
+                           operations=None if impl.startswith("dgtsv")
+                           else _count_operations(fns[impl]),
+                           ratio=seconds / medians["dgtsv (raw LAPACK)"],
+                           vs_sequential=(seconds / medians["sequential torch kernel"]
+                                          if "sequential torch kernel" in medians else None))
+                rows.append(row)
+                log(f"  torch kernels  threads={actual} n={n:>7d} batch={batch:>5d} {impl:25s} "
+                    f"{seconds * 1e3:9.3f} ms  ops {row['operations'] or '-':>7}  "
+                    f"vs sequential {row['vs_sequential'] or float('nan'):.3f}")
+    torch.set_num_threads(default_threads)
+    return rows
+
+
 def _lookup(results, **key):
     for r in results:
         if all(r[k] == v for k, v in key.items()) and r["seconds"] is not None:
@@ -486,20 +561,21 @@ def format_steps_table(rows) -> str:
     return "\n".join(lines)
 
 
-def _main_compiled(opts):
-    """``--compiled-only``: the compiled-kernel rows, merged into an existing results file."""
+def _main_experiment(opts, key, run_experiment, quick_cases):
+    """``--compiled-only`` / ``--torch-kernels-only``: one experiment's rows (under ``key``, with
+    ``key_machine`` and ``key_config``), merged into an existing results file."""
     report = {}
     if opts.merge:
         with open(opts.merge) as f:
             report = json.load(f)
     if opts.quick:
-        config = dict(cases=[(8, 16), (100, 0)], threads=(1,), min_time=0.001, repeats=3)
+        config = dict(cases=quick_cases, threads=(1,), min_time=0.001, repeats=3)
     else:
         threads = tuple(None if t == "default" else int(t) for t in opts.threads.split(","))
         config = dict(min_time=opts.min_time, repeats=2 * opts.repeats + 1, threads=threads)
-    report["compiled_kernel"] = run_compiled_kernel(**config)
-    report["compiled_kernel_machine"] = machine_info()
-    report["compiled_kernel_config"] = {k: str(v) for k, v in config.items()}
+    report[key] = run_experiment(**config)
+    report[f"{key}_machine"] = machine_info()
+    report[f"{key}_config"] = {k: str(v) for k, v in config.items()}
     with open(opts.out, "w") as f:
         json.dump(report, f, indent=1)
     print(f"\nwrote {opts.out}")
@@ -524,9 +600,14 @@ def main(argv=None):
     parser.add_argument("--compiled-only", action="store_true",
                         help="run only the compiled-kernel experiment (run_compiled_kernel; it "
                              "builds the C++ kernel); with --merge, keep the rest of the merged file")
+    parser.add_argument("--torch-kernels-only", action="store_true",
+                        help="run only the experiment on the kernels in torch ops "
+                             "(run_torch_kernels); with --merge, keep the rest of the merged file")
     opts = parser.parse_args(argv)
     if opts.compiled_only:
-        return _main_compiled(opts)
+        return _main_experiment(opts, "compiled_kernel", run_compiled_kernel, [(8, 16), (100, 0)])
+    if opts.torch_kernels_only:
+        return _main_experiment(opts, "torch_kernels", run_torch_kernels, [(16, 4), (100, 0)])
     if opts.quick:
         config = dict(sizes=[8, 100], batches=[(16, 8)], dtypes=(torch.float64,), threads=(1,),
                       min_time=0.001, repeats=3)
