@@ -42,8 +42,9 @@ def torch_kernel_on_cpu():
     """Within this block, CPU tensors go to the kernels in torch ops instead of LAPACK.
 
     These kernels (the sequential pivoting kernel and the partitioned one, chosen by
-    :func:`partitioned_pays`) are the ones other devices (CUDA) use; this lets the tests and the book
-    run that exact code path, through the custom ops, on a machine without a GPU. The choice is
+    :func:`~tridiag_tutorial.kernels.partitioned_pays`) are the ones other devices (CUDA) use;
+    this lets the tests and the book run that exact code path, through the custom ops, on a
+    machine without a GPU. The choice is
     local to the calling thread (and asyncio task); a solve made inside the block runs its backward
     on the same kernel even when the backward runs after the block has ended.
     """
@@ -137,7 +138,7 @@ def partitioned_pays(rhs: torch.Tensor) -> bool:
 
     The sequential kernel dispatches about 37 operations per row (36,990 for n = 1000), the
     partitioned one a number that grows like ``log n`` (999 for n = 1000, 1,549 for n = 1e5,
-    1,817 for n = 1e6, with blocks of :data:`tridiag_tutorial.partitioned.BLOCK` = 4 rows), each
+    1,817 for n = 1e6, with blocks of ``tridiag_tutorial.partitioned.BLOCK`` = 4 rows), each
     on more data. Measured on the CPU (the only device measured; ``python -m
     tridiag_tutorial.benchmarks --torch-kernels-only``, float64, 1 and 2 threads, the committed
     ``torch_kernels`` rows), partitioned / sequential time was 0.29 to 0.35 at n = 64 and 0.10 to

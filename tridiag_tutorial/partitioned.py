@@ -28,7 +28,7 @@ diagonal block that LAPACK's row swaps get around), the method breaks down; if a
 nearly singular, its result can be far less accurate than LAPACK's. Neither is ever returned:
 the kernel checks every block's pivots and the backward error of its solution,
 ``max|A x - b| / (||A||_inf max|x| + max|b|)``, and when a block has a zero pivot or that error
-exceeds :data:`BACKWARD_ERROR_TOL` times the dtype's epsilon it solves the whole call again with
+exceeds ``BACKWARD_ERROR_TOL`` times the dtype's epsilon it solves the whole call again with
 the sequential pivoting kernel (which raises :class:`torch.linalg.LinAlgError` if ``A`` is
 singular). The checks read one boolean back from the device. A system whose inputs are not finite
 gives non-finite results in its own system only, as on the other kernels.
