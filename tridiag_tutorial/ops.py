@@ -386,8 +386,11 @@ def tridiagonal_solve(lower: torch.Tensor, diag: torch.Tensor, upper: torch.Tens
             pivoting); the message names the pivot and the batch element.
 
     On CPU it calls LAPACK ``?gtsv`` (Gaussian elimination with partial pivoting), and a backward
-    calls it again with ``A^H``; on other devices the pure-torch kernel (the same pivoting) runs,
-    and when a backward will follow it factors once and the backward reuses the factors.
+    calls it again with ``A^H``. On other devices kernels in torch ops run: for ``n < 64`` the
+    pure-torch kernel (the same pivoting), which, when a backward will follow, factors once and
+    lets the backward reuse the factors; for ``n >= 64`` the partitioned kernel
+    (:mod:`tridiag_tutorial.partitioned`, O(log n) operations; it checks its answer and solves
+    again with the pure-torch kernel where the check fails), whose backward solves with ``A^H``.
     Gradients flow to all four inputs, to any order; ``torch.compile(fullgraph=True)`` traces it
     with no graph break. Inputs are never modified. To solve many times with one matrix, see
     :func:`tridiagonal_lu_factor`.

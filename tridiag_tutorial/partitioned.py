@@ -18,20 +18,30 @@ pivoting kernel (the blocks become a batch), so the sequential part is one block
    kernel.
 4. **Recovery.** Every block's unknowns follow from its two separators, all blocks at once.
 
-Each level costs a fixed number of operations (about ``30 m``, independent of ``n``) and divides
-the size by ``m + 1``, so the count grows like ``log n``; the arithmetic is about three times
-LAPACK's. The same code runs on every device.
+Each level costs a fixed number of operations, independent of ``n`` (a few hundred: 1,817 in all
+for the nine systems solved at n = 1e6), and divides the size by ``m + 1``, so the count grows
+like ``log n``. Each block is solved with ``k + 2`` right-hand sides instead of ``k``, so the
+arithmetic is more than elimination's. The same code runs on every device.
 
 **When it can fail where LAPACK does not.** Pivoting happens inside each block only. If a block
-(of ``A`` or of a reduced system) is singular while ``A`` is not (say ``A`` has a zero ``2 x 2``
-diagonal block that LAPACK's row swaps get around), the method breaks down; if a block is
-nearly singular, its result can be far less accurate than LAPACK's. Neither is ever returned:
-the kernel checks every block's pivots and the backward error of its solution,
-``max|A x - b| / (||A||_inf max|x| + max|b|)``, and when a block has a zero pivot or that error
-exceeds ``BACKWARD_ERROR_TOL`` times the dtype's epsilon it solves the whole call again with
-the sequential pivoting kernel (which raises :class:`torch.linalg.LinAlgError` if ``A`` is
-singular). The checks read one boolean back from the device. A system whose inputs are not finite
-gives non-finite results in its own system only, as on the other kernels.
+(of ``A`` or of a reduced system) is singular while ``A`` is not, because LAPACK's row swaps
+would reach across the block boundary, the method divides by zero; if a block is nearly singular,
+its answer can be far less accurate than LAPACK's; and for a singular ``A`` the reduced system can
+get a pivot made of round-off where LAPACK finds an exact zero. So the kernel checks its answer
+``x`` for every system whose inputs are finite:
+
+- the row-wise backward error ``max_i |(A x - b)_i| / (max_j |A_ij| max|x| + max_k |b_ik|)`` must be
+  at most ``BACKWARD_ERROR_TOL`` (1000) times the dtype's epsilon, and
+- ``eps max|A| max|x| <= max|b|`` (otherwise ``cond(A) > 1 / eps``: ``A`` is singular in this
+  precision).
+
+If either fails for any system of the call (or ``x`` is not finite), the whole call is solved again
+by the sequential pivoting kernel, which returns LAPACK's answer or raises
+:class:`torch.linalg.LinAlgError` for a singular ``A``. The check reads one boolean back from the
+device. It guarantees a small backward error, not LAPACK's forward error: measured on random
+systems that need pivoting (float32, n = 1000, 200 systems), the error against a float64 solve
+was the same as LAPACK's at the median and up to 33 times LAPACK's. A system whose inputs are not
+finite gives non-finite results in its own system only, as on the other kernels.
 """
 
 from __future__ import annotations
@@ -47,7 +57,7 @@ __all__ = ["BLOCK", "BACKWARD_ERROR_TOL", "solve", "levels"]
 # 1,494 and 2,433 for n = 1000; 1,549 to 3,885 for n = 1e5) and were within about 10% of the
 # fastest on the CPU at n = 1e5 and 1e6 (one thread, float64).
 BLOCK = 4
-BACKWARD_ERROR_TOL = 1000.0  # in units of the dtype's epsilon; LAPACK's is a few units
+BACKWARD_ERROR_TOL = 1000.0  # row-wise backward error, in units of the dtype's epsilon
 
 
 def solve(lower: torch.Tensor, diag: torch.Tensor, upper: torch.Tensor, rhs: torch.Tensor,
@@ -61,12 +71,10 @@ def solve(lower: torch.Tensor, diag: torch.Tensor, upper: torch.Tensor, rhs: tor
     """
     if block < 2:
         raise ValueError(f"partitioned.solve: block must be at least 2, got {block}")
-    zero_pivots = []
-    x = _solve(lower, diag, upper, rhs, block, zero_pivots)
-    failed = _backward_error_too_large(lower, diag, upper, rhs, x)
-    for found in zero_pivots:
-        failed = failed | found
-    if bool(failed):  # the one read from the device
+    if rhs.numel() == 0:  # no right-hand side, or no system: nothing to solve
+        return rhs.new_zeros(rhs.shape)
+    x = _solve(lower, diag, upper, rhs, block)
+    if bool(_answer_is_suspect(lower, diag, upper, rhs, x)):  # the one read from the device
         return torch_kernel.solve(lower, diag, upper, rhs)
     return x
 
@@ -84,12 +92,10 @@ def _partitions(n: int, block: int) -> bool:
     return n > 2 * (block + 1)  # below this the reduced system would not be much smaller
 
 
-def _solve(lower, diag, upper, rhs, m, zero_pivots):
+def _solve(lower, diag, upper, rhs, m):
     n, k = rhs.shape[-2], rhs.shape[-1]
     if not _partitions(n, m):
-        lu, pivots = torch_kernel.factor_unchecked(lower, diag, upper)
-        zero_pivots.append((lu[..., 1, :] == 0).any())
-        return torch_kernel.lu_solve(lu, pivots, rhs)
+        return torch_kernel.lu_solve(*torch_kernel.factor_unchecked(lower, diag, upper), rhs)
     p = -(-(n + 1) // (m + 1))  # blocks; the last separator row is always padding
     pad = p * (m + 1) - n
     batch = diag.shape[:-1]
@@ -101,7 +107,6 @@ def _solve(lower, diag, upper, rhs, m, zero_pivots):
 
     # 2. every block at once: A_j [y, v, w] = [b_j, lo_j[0] e_1, up_j[m-1] e_m]
     lu, pivots = torch_kernel.factor_unchecked(lo[..., 1:m], d[..., :m], up[..., :m - 1])
-    zero_pivots.append((lu[..., 1, :] == 0).any())
     spike_left = F.pad(lo[..., :1], (0, m - 1))  # (*B, p, m): lo_j[0] in the first row
     spike_right = F.pad(up[..., m - 1:m], (m - 1, 0))  # up_j[m-1] in the last row
     solved = torch_kernel.lu_solve(
@@ -117,7 +122,7 @@ def _solve(lower, diag, upper, rhs, m, zero_pivots):
     reduced_lower = (-lo_s * v[..., m - 1, 0])[..., 1:]
     reduced_upper = (-up_s * w_next)[..., :-1]
     reduced_rhs = b_s - lo_s[..., None] * y[..., m - 1, :] - up_s[..., None] * y_next
-    s = _solve(reduced_lower, reduced_diag, reduced_upper, reduced_rhs, m, zero_pivots)
+    s = _solve(reduced_lower, reduced_diag, reduced_upper, reduced_rhs, m)
 
     # 4. recovery, all blocks at once
     s_prev = F.pad(s[..., :-1, :], (0, 0, 1, 0))
@@ -126,17 +131,31 @@ def _solve(lower, diag, upper, rhs, m, zero_pivots):
     return x[..., :n, :].contiguous()  # the strides the op's fake kernel promises
 
 
-def _backward_error_too_large(lower, diag, upper, rhs, x) -> torch.Tensor:
-    """True (a 0-dim bool tensor) when a system with finite inputs has a solution whose normwise
-    backward error exceeds the tolerance, or a non-finite solution."""
+def _row_max(lower, diag, upper) -> torch.Tensor:
+    """``(*B, n)``: the largest magnitude in each row of ``A`` (a maximum cannot overflow)."""
+    return torch.maximum(diag.abs(), torch.maximum(F.pad(lower.abs(), (1, 0)),
+                                                   F.pad(upper.abs(), (0, 1))))
+
+
+def _answer_is_suspect(lower, diag, upper, rhs, x) -> torch.Tensor:
+    """True (a 0-dim bool tensor) when a system with finite inputs has an answer that fails the
+    module's check: a row-wise backward error above the tolerance (or not finite), or
+    ``eps max|A| max|x| > max|b|``."""
     residual = diag[..., None] * x - rhs
     residual = residual + F.pad(lower[..., None] * x[..., :-1, :], (0, 0, 1, 0))
     residual = residual + F.pad(upper[..., None] * x[..., 1:, :], (0, 0, 0, 1))
-    norm_a = (diag.abs() + F.pad(lower.abs(), (1, 0)) + F.pad(upper.abs(), (0, 1))).amax(-1)
-    scale = norm_a * x.abs().flatten(-2).amax(-1) + rhs.abs().flatten(-2).amax(-1)
-    largest = residual.abs().flatten(-2).amax(-1)
-    error = torch.where(largest == 0, torch.zeros_like(largest), largest / scale)
-    finite_input = (torch.isfinite(norm_a) & torch.isfinite(rhs).flatten(-2).all(-1))
-    tol = BACKWARD_ERROR_TOL * torch.finfo(x.dtype).eps
+    row = _row_max(lower, diag, upper)
+    x_max = x.abs().flatten(-2).amax(-1, keepdim=True)  # (*B, 1)
+    r_row, b_row = residual.abs().amax(-1), rhs.abs().amax(-1)  # (*B, n)
+    # |r_i| / (row_i max|x| + |b_i|), divided through by max|x| so that nothing overflows
+    safe = torch.where(x_max > 0, x_max, torch.ones_like(x_max))
+    error = (r_row / safe) / (row + b_row / safe)
+    error = torch.where(r_row == 0, torch.zeros_like(error), error).amax(-1)
+    finite_input = (torch.isfinite(lower).all(-1) & torch.isfinite(diag).all(-1)
+                    & torch.isfinite(upper).all(-1) & torch.isfinite(rhs).flatten(-2).all(-1))
+    eps = torch.finfo(x.dtype).eps
+    # max|A| max|x| > max|b| / eps means cond(A) > 1 / eps: A is singular in this precision
+    # (a singular A can give the reduced system a pivot of round-off where LAPACK finds a zero)
+    numerically_singular = eps * row.amax(-1) * (x_max[..., 0] / b_row.amax(-1)) > 1
     # "not (error <= tol)" is also True for a NaN error: a breakdown (0/0) in a finite system
-    return (finite_input & ~(error <= tol)).any()
+    return (finite_input & (~(error <= BACKWARD_ERROR_TOL * eps) | numerically_singular)).any()
