@@ -123,6 +123,22 @@ def test_singular_error_is_the_same_on_every_kernel(kernel, path):
 
 
 @pytest.mark.parametrize("kernel", ["lapack", "torch"])
+def test_singular_real_valued_complex_matrix_raises_on_every_kernel(kernel):
+    """Row 4 is exactly half of row 3, stored as complex numbers: the elimination's multiplier
+    0.5 d / d must come out exactly 0.5 (Smith's division, as LAPACK's), or the zero pivot
+    becomes round-off and the torch kernel returns garbage where LAPACK raises."""
+    g = torch.Generator().manual_seed(3)
+    for _ in range(20):
+        lower, diag, upper = (torch.randn(m, generator=g, dtype=torch.float64) + 3 for m in (9, 10, 9))
+        lower[2], upper[4] = 0.0, 0.0
+        lower[3], diag[4] = 0.5 * diag[3], 0.5 * upper[3]
+        args = [t.to(torch.complex128) for t in (lower, diag, upper, torch.ones(10))]
+        with pytest.raises(torch.linalg.LinAlgError, match="singular"):
+            with kernel_context(kernel):
+                tridiagonal_solve(*args)
+
+
+@pytest.mark.parametrize("kernel", ["lapack", "torch"])
 @pytest.mark.parametrize("bad", [float("nan"), float("inf")])
 def test_non_finite_input_stays_in_its_own_system(kernel, bad):
     args = make_system(5, (4,), 2, seed=32)

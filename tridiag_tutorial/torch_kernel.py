@@ -33,6 +33,22 @@ def _magnitude(t: torch.Tensor) -> torch.Tensor:
     return t.real.abs() + t.imag.abs() if t.is_complex() else t.abs()
 
 
+def _divide(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``a / b``; for complex numbers by Smith's algorithm, as Fortran (and so LAPACK) divides:
+    exact when ``b`` is real, where torch's own complex division is not always (``0.5 d / d`` can
+    miss ``0.5`` by an ulp, and an exactly singular matrix would then get a round-off pivot
+    instead of LAPACK's exact zero). ``b`` must not be zero."""
+    if not a.is_complex():
+        return a / b
+    br, bi, ar, ai = b.real, b.imag, a.real, a.imag
+    real_larger = br.abs() >= bi.abs()
+    ratio = torch.where(real_larger, bi / br, br / bi)  # the unused branch may divide by zero
+    den = torch.where(real_larger, br + bi * ratio, bi + br * ratio)
+    re = torch.where(real_larger, ar + ai * ratio, ar * ratio + ai) / den
+    im = torch.where(real_larger, ai - ar * ratio, ai * ratio - ar) / den
+    return torch.complex(re, im)
+
+
 def factor(lower: torch.Tensor, diag: torch.Tensor, upper: torch.Tensor):
     """LU with partial pivoting of a batch: bands ``(*batch, n-1)``, ``(*batch, n)``,
     ``(*batch, n-1)`` -> ``(lu, pivots)``, ``(*batch, 4, n)`` and ``(*batch, n)`` int32 (the layout
@@ -60,7 +76,7 @@ def factor_unchecked(lower: torch.Tensor, diag: torch.Tensor, upper: torch.Tenso
         pivot = torch.where(swap, b, a)
         other = torch.where(swap, a, b)
         safe = torch.where(pivot == 0, torch.ones_like(pivot), pivot)
-        fact = torch.where(pivot == 0, zero, other / safe)  # a zero pivot is reported below
+        fact = torch.where(pivot == 0, zero, _divide(other, safe))  # a zero pivot: see factor
         next_d = d[i + 1]
         # no swap: row i+1 -= fact * row i;  swap: rows exchange first, then the same update
         d[i] = pivot
