@@ -137,17 +137,20 @@ def partitioned_pays(rhs: torch.Tensor) -> bool:
     sequential one: for ``n >= PARTITIONED_MIN_N`` unknowns, whatever the batch.
 
     The sequential kernel dispatches about 37 operations per row (36,990 for n = 1000), the
-    partitioned one a number that grows like ``log n`` (999 for n = 1000, 1,549 for n = 1e5,
-    1,817 for n = 1e6, with blocks of ``tridiag_tutorial.partitioned.BLOCK`` = 4 rows), each
-    on more data. Measured on the CPU (the only device measured; ``python -m
+    partitioned one a number that grows like ``log n`` (1,020 for n = 1000, 1,558 for n = 1e5,
+    1,818 for n = 1e6, with blocks of ``tridiag_tutorial.partitioned.BLOCK`` = 4 rows), each on
+    more data. Measured on the CPU (the only device measured; ``python -m
     tridiag_tutorial.benchmarks --torch-kernels-only``, float64, 1 and 2 threads, the committed
-    ``torch_kernels`` rows), partitioned / sequential time was 0.29 to 0.35 at n = 64 and 0.10 to
-    0.18 at n = 256 for one system and for 64 systems; for 1024 systems, whose every operation
-    is large already, it was 0.75 to 0.99 at n = 64, 0.93 to 1.09 from n = 48 to 256 on one
-    thread, and 1.04 to 1.53 below n = 48. So from n = 64 the partitioned kernel was much faster
-    or within 10%. On a GPU, where each operation is a kernel launch of several microseconds,
-    the count matters more still. Inside ``use_partitioned(False)`` it is never taken. ``rhs`` is
-    the validated ``(*B, n, k)`` right-hand side.
+    ``torch_kernels`` rows), partitioned / sequential time at n = 64 was 0.29 to 0.33 for one
+    system and 0.44 to 0.47 for 64 systems, and fell to 0.12 and 0.21 to 0.26 at n = 256. For
+    1024 systems it was 1.55 to 2.45 on one thread and 0.86 to 2.2 on two: each of the sequential
+    kernel's operations then works on 1024 numbers, which amortizes its overhead on a CPU, while
+    the partitioned kernel does more arithmetic. The rule ignores the batch all the same, because
+    these kernels are made for devices where every operation is a kernel launch of several
+    microseconds: there 1024 systems of n = 64 cost 2,358 launches on the sequential kernel and
+    596 on the partitioned one. That part is a judgement from the operation counts, not a GPU
+    measurement. Inside ``use_partitioned(False)`` it is never taken. ``rhs`` is the validated
+    ``(*B, n, k)`` right-hand side.
     """
     return rhs.shape[-2] >= PARTITIONED_MIN_N and _partitioned_allowed()
 

@@ -18,10 +18,10 @@ pivoting kernel (the blocks become a batch), so the sequential part is one block
    kernel.
 4. **Recovery.** Every block's unknowns follow from its two separators, all blocks at once.
 
-Each level costs a fixed number of operations, independent of ``n`` (a few hundred: 1,817 in all
+Each level costs a fixed number of operations, independent of ``n`` (a few hundred: 1,818 in all
 for the nine systems solved at n = 1e6), and divides the size by ``m + 1``, so the count grows
-like ``log n``. Each block is solved with ``k + 2`` right-hand sides instead of ``k``, so the
-arithmetic is more than elimination's. The same code runs on every device.
+like ``log n``. Each block is solved with ``k + 3`` right-hand sides instead of ``k`` (the two
+spikes, and the probe of the check below), so the arithmetic is more than elimination's. The same code runs on every device.
 
 **When it can fail where LAPACK does not.** Pivoting happens inside each block only. If a block
 (of ``A`` or of a reduced system) is singular while ``A`` is not, because LAPACK's row swaps
@@ -58,9 +58,9 @@ from . import torch_kernel
 
 __all__ = ["BLOCK", "BACKWARD_ERROR_TOL", "solve", "levels"]
 
-# Rows per block. Of 4, 8, 16 and 32, blocks of 4 dispatched the fewest operations (999, 1,235,
-# 1,494 and 2,433 for n = 1000; 1,549 to 3,885 for n = 1e5) and were within about 10% of the
-# fastest on the CPU at n = 1e5 and 1e6 (one thread, float64).
+# Rows per block. Of 4, 8, 16 and 32, blocks of 4 dispatched the fewest operations (1,020,
+# 1,260, 1,519 and 2,462 for n = 1000; 1,558 to 3,906 for n = 1e5) and were the fastest or within
+# about 6% of it on the CPU at n = 1e3, 1e5 and 1e6 (one thread, float64).
 BLOCK = 4
 BACKWARD_ERROR_TOL = 1000.0  # row-wise backward error, in units of the dtype's epsilon
 
