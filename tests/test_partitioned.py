@@ -5,9 +5,9 @@ import pytest
 import torch
 from torch.autograd import gradcheck, gradgradcheck
 from torch.func import grad, hessian, jacfwd, jacrev, jvp, vmap
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from tridiag_tutorial import (
+    benchmarks,
     dense_solve,
     kernels,
     ops,
@@ -130,6 +130,17 @@ def test_singular_matrix_raises_through_the_fallback():
         partitioned.solve(lower, diag, upper, rhs)
 
 
+def half_row_singular(n, i, g):
+    """Random float64 bands of an exactly singular A: row i + 1 is half of row i (both keep only
+    columns i and i + 1)."""
+    lower = torch.randn(n - 1, generator=g, dtype=torch.float64) + 3
+    diag = torch.randn(n, generator=g, dtype=torch.float64) + 3
+    upper = torch.randn(n - 1, generator=g, dtype=torch.float64)
+    lower[i - 1], upper[i + 1] = 0.0, 0.0
+    lower[i], diag[i + 1] = 0.5 * diag[i], 0.5 * upper[i]
+    return lower, diag, upper
+
+
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.complex128], ids=str)
 @pytest.mark.parametrize("rhs_kind", ["ones", "one-large-entry", "zero", "in-the-range"])
 @pytest.mark.parametrize("n", [64, 300])
@@ -140,11 +151,7 @@ def test_singular_matrix_without_an_exact_zero_pivot_raises(n, rhs_kind, dtype):
     of A, one of many. The probe's solution shows A is singular, whatever the right-hand side."""
     g = torch.Generator().manual_seed(n)
     for i in range(2, n - 2, max(1, n // 40)):
-        lower = torch.randn(n - 1, generator=g, dtype=torch.float64) + 3
-        diag = torch.randn(n, generator=g, dtype=torch.float64) + 3
-        upper = torch.randn(n - 1, generator=g, dtype=torch.float64)
-        lower[i - 1], upper[i + 1] = 0.0, 0.0
-        lower[i], diag[i + 1] = 0.5 * diag[i], 0.5 * upper[i]
+        lower, diag, upper = half_row_singular(n, i, g)
         rhs = torch.ones(n, 1, dtype=torch.float64)
         if rhs_kind == "one-large-entry":  # max|b| far from the singular rows
             rhs[0 if i > n // 2 else n - 1] = 1e3
@@ -185,15 +192,11 @@ def test_each_column_is_checked_on_its_own():
 
 def test_an_enormous_unchecked_answer_is_what_the_check_catches():
     """The premise of the test above, for one case: without the check the answer is wrong."""
-    n, i = 64, 29
+    n = 64
     g = torch.Generator().manual_seed(0)
     found = False
     for i in range(2, n - 2):
-        lower = torch.randn(n - 1, generator=g, dtype=torch.float64) + 3
-        diag = torch.randn(n, generator=g, dtype=torch.float64) + 3
-        upper = torch.randn(n - 1, generator=g, dtype=torch.float64)
-        lower[i - 1], upper[i + 1] = 0.0, 0.0
-        lower[i], diag[i + 1] = 0.5 * diag[i], 0.5 * upper[i]
+        lower, diag, upper = half_row_singular(n, i, g)
         x = partitioned._solve(lower, diag, upper, torch.ones(n, 1, dtype=torch.float64), 4)
         found |= bool(torch.isfinite(x).all() and x.abs().max() > 1e14)
     assert found
@@ -262,20 +265,8 @@ def test_block_must_be_at_least_two():
         partitioned.solve(*make_system(N, (), 1), block=1)
 
 
-class CountOps(TorchDispatchMode):
-    def __init__(self):
-        super().__init__()
-        self.count = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.count += 1
-        return func(*args, **(kwargs or {}))
-
-
 def count_ops(fn, *args):
-    with CountOps() as counter:
-        fn(*args)
-    return counter.count
+    return benchmarks._count_operations(lambda: fn(*args))
 
 
 def test_operation_count_grows_like_log_n():
@@ -296,7 +287,7 @@ def test_operation_count_through_the_op_forward_and_backward(monkeypatch):
     counts, original = [], ops._kernel  # kernels.solve
 
     def counting(*a):
-        with CountOps() as counter:
+        with benchmarks.CountOperations() as counter:
             x = original(*a)
         counts.append(counter.count)
         return x

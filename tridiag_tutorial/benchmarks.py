@@ -46,6 +46,7 @@ import scipy
 import scipy.linalg
 import torch
 from scipy.linalg import get_lapack_funcs
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from . import kernels
 from .autograd_function import tridiagonal_solve_function
@@ -54,7 +55,7 @@ from .ops import tridiagonal_lu_factor, tridiagonal_lu_solve, tridiagonal_solve
 from .reference import dense_solve
 
 __all__ = ["run", "run_time_stepping", "run_compiled_kernel", "run_torch_kernels",
-           "evaluate_targets", "main"]
+           "CountOperations", "evaluate_targets", "main"]
 
 SINGLE_SIZES = [10**2, 10**3, 10**4, 10**5, 10**6]
 BATCHES = [(1024, 256), (16384, 64), (100000, 8)]
@@ -114,6 +115,18 @@ def _time_interleaved(fns: dict, min_time: float, repeats: int) -> dict:
                 fns[key]()
             times[key].append((time.perf_counter() - start) / numbers[key])
     return {key: statistics.median(t) for key, t in times.items()}
+
+
+def _each_thread_count(threads):
+    """Set torch's thread count to each of ``threads`` in turn (``None``: the default), yielding
+    the count in effect; the default is restored afterwards."""
+    default = torch.get_num_threads()
+    try:
+        for nthreads in threads:
+            torch.set_num_threads(nthreads or default)
+            yield torch.get_num_threads()
+    finally:
+        torch.set_num_threads(default)
 
 
 def _problem(n: int, batch: int, dtype: torch.dtype, seed: int = 0, k: int | None = None):
@@ -219,15 +232,12 @@ def run(sizes=SINGLE_SIZES, batches=BATCHES, dtypes=(torch.float32, torch.float6
     ``progress``, if given, is called with the results so far after each thread count and dtype.
     """
     results = []
-    default_threads = torch.get_num_threads()
     shapes = [(n, 0) for n in sizes] + [(n, b) for b, n in batches]
     compiled_fns = {}
     # Each (function, dtype, rank, mode) compiles once with dynamic shapes; all of them share one
     # code object's cache in Dynamo, so the default limit of 8 entries is too small here.
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
-    for nthreads in threads:
-        torch.set_num_threads(nthreads or default_threads)
-        actual_threads = torch.get_num_threads()
+    for actual_threads in _each_thread_count(threads):
         torch._dynamo.reset()  # the thread count is part of Dynamo's guards: start afresh
         compiled_fns.clear()
         for dtype in dtypes:
@@ -268,7 +278,6 @@ def run(sizes=SINGLE_SIZES, batches=BATCHES, dtypes=(torch.float32, torch.float6
                                    _torch_callable(compiled_fns[key], args, mode))
             if progress is not None:
                 progress([asdict(r) for r in results])
-    torch.set_num_threads(default_threads)
     return [asdict(r) for r in results]
 
 
@@ -313,10 +322,7 @@ def run_time_stepping(cases=STEP_CASES, steps=STEPS, dtypes=(torch.float64,), th
     factor once / solve every step.
     """
     rows = []
-    default_threads = torch.get_num_threads()
-    for nthreads in threads:
-        torch.set_num_threads(nthreads or default_threads)
-        actual_threads = torch.get_num_threads()
+    for actual_threads in _each_thread_count(threads):
         for kernel, shapes in cases.items():
             for dtype in dtypes:
                 for n, batch, k in shapes:
@@ -333,7 +339,6 @@ def run_time_stepping(cases=STEP_CASES, steps=STEPS, dtypes=(torch.float64,), th
                             f"n={n:>7d} batch={batch:>5d} k={k or 1} {mode:8s}: factor once "
                             f"{best[True] * 1e3:9.2f} ms, every step {best[False] * 1e3:9.2f} ms, "
                             f"ratio {row['ratio']:.3f}")
-    torch.set_num_threads(default_threads)
     return rows
 
 
@@ -368,10 +373,7 @@ def run_compiled_kernel(cases=COMPILED_CASES, threads=(1, None), min_time=0.2, r
     from . import compiled, lapack
     op = compiled.load()
     rows = []
-    default_threads = torch.get_num_threads()
-    for nthreads in threads:
-        torch.set_num_threads(nthreads or default_threads)
-        actual = torch.get_num_threads()
+    for actual in _each_thread_count(threads):
         for n, batch in cases:
             args = _problem(n, batch, torch.float64)
             matrix = [*args[:3], args[3].unsqueeze(-1)]
@@ -392,7 +394,6 @@ def run_compiled_kernel(cases=COMPILED_CASES, threads=(1, None), min_time=0.2, r
                 log(f"  compiled  threads={actual} n={n:>7d} batch={batch:>6d} {impl:28s} "
                     f"{seconds * 1e3:9.3f} ms {row['ns_per_unknown']:7.1f} ns/unknown "
                     f"ratio to dgtsv {row['ratio']:.3f}")
-    torch.set_num_threads(default_threads)
     return rows
 
 
@@ -404,20 +405,24 @@ TORCH_KERNEL_CASES = ([(n, b) for b in (0, 64, 1024) for n in (16, 32, 48, 64, 1
                       + [(1000, 0), (10**4, 0), (10**5, 0), (10**6, 0)])
 
 
+class CountOperations(TorchDispatchMode):
+    """While active, counts the operations dispatched to kernels (in ``count``); a custom op
+    counts as one, so count inside its kernel to see the operations it runs."""
+
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
 def _count_operations(fn) -> int:
-    """The number of operations ``fn()`` dispatches to kernels (a ``TorchDispatchMode`` count)."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    class Count(TorchDispatchMode):
-        count = 0
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            Count.count += 1
-            return func(*args, **(kwargs or {}))
-
-    with Count():
+    """The number of operations ``fn()`` dispatches to kernels."""
+    with CountOperations() as counter:
         fn()
-    return Count.count
+    return counter.count
 
 
 def run_torch_kernels(cases=TORCH_KERNEL_CASES, threads=(1, None), min_time=0.2, repeats=15,
@@ -429,10 +434,7 @@ def run_torch_kernels(cases=TORCH_KERNEL_CASES, threads=(1, None), min_time=0.2,
     from . import partitioned
     from . import torch_kernel as sequential
     rows = []
-    default_threads = torch.get_num_threads()
-    for nthreads in threads:
-        torch.set_num_threads(nthreads or default_threads)
-        actual = torch.get_num_threads()
+    for actual in _each_thread_count(threads):
         for n, batch in cases:
             args = _problem(n, batch, torch.float64)
             matrix = [*args[:3], args[3].unsqueeze(-1)]
@@ -452,7 +454,6 @@ def run_torch_kernels(cases=TORCH_KERNEL_CASES, threads=(1, None), min_time=0.2,
                 log(f"  torch kernels  threads={actual} n={n:>7d} batch={batch:>5d} {impl:25s} "
                     f"{seconds * 1e3:9.3f} ms  ops {row['operations'] or '-':>7}  "
                     f"vs sequential {row['vs_sequential'] or float('nan'):.3f}")
-    torch.set_num_threads(default_threads)
     return rows
 
 

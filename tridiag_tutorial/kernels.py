@@ -38,6 +38,15 @@ _TORCH_KERNEL_ON_CPU = contextvars.ContextVar("tridiag_tutorial_torch_kernel_on_
 
 
 @contextlib.contextmanager
+def _setting(var: contextvars.ContextVar, value):
+    """Within the block, the context variable ``var`` holds ``value``; then its earlier value."""
+    token = var.set(value)
+    try:
+        yield
+    finally:
+        var.reset(token)
+
+
 def torch_kernel_on_cpu():
     """Within this block, CPU tensors go to the kernels in torch ops instead of LAPACK.
 
@@ -48,11 +57,7 @@ def torch_kernel_on_cpu():
     local to the calling thread (and asyncio task); a solve made inside the block runs its backward
     on the same kernel even when the backward runs after the block has ended.
     """
-    token = _TORCH_KERNEL_ON_CPU.set(True)
-    try:
-        yield
-    finally:
-        _TORCH_KERNEL_ON_CPU.reset(token)
+    return _setting(_TORCH_KERNEL_ON_CPU, True)
 
 
 @torch.compiler.assume_constant_result
@@ -79,15 +84,10 @@ def lapack_for(t: torch.Tensor, torch_kernel: bool) -> bool:
 _USE_COMPILED = contextvars.ContextVar("tridiag_tutorial_use_compiled", default=True)
 
 
-@contextlib.contextmanager
 def use_compiled(enabled: bool):
     """Within the block, CPU solves use the compiled kernel where it pays (``True``, the default
     once :func:`tridiag_tutorial.compiled.load` has run) or always LAPACK (``False``)."""
-    token = _USE_COMPILED.set(enabled)
-    try:
-        yield
-    finally:
-        _USE_COMPILED.reset(token)
+    return _setting(_USE_COMPILED, enabled)
 
 
 COMPILED_ONE_SYSTEM_MAX_N = 3000  # measured: see compiled_pays
@@ -115,16 +115,11 @@ PARTITIONED_MIN_N = 64  # measured: see partitioned_pays
 _USE_PARTITIONED = contextvars.ContextVar("tridiag_tutorial_use_partitioned", default=True)
 
 
-@contextlib.contextmanager
 def use_partitioned(enabled: bool):
     """Within the block, solves in torch ops use the partitioned kernel where it pays (``True``,
     the default) or always the sequential pivoting kernel (``False``). Like
     :func:`torch_kernel_on_cpu`, a compiled function keeps the choice it was traced with."""
-    token = _USE_PARTITIONED.set(enabled)
-    try:
-        yield
-    finally:
-        _USE_PARTITIONED.reset(token)
+    return _setting(_USE_PARTITIONED, enabled)
 
 
 @torch.compiler.assume_constant_result
