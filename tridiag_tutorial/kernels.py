@@ -69,9 +69,9 @@ def _torch_kernel_on_cpu() -> bool:
 
 
 def _numpy(*tensors):
-    """NumPy views of the tensors' data (a copy only for a lazily conjugated or negated tensor:
-    ``.numpy()`` refuses tensors whose conjugate or negative bit is set)."""
-    return [t.detach().resolve_conj().resolve_neg().numpy() for t in tensors]
+    """NumPy views of the CPU tensors' data (a copy only for a lazily conjugated or negated tensor:
+    ``numpy(force=True)`` is ``detach().resolve_conj().resolve_neg().numpy()`` in one call)."""
+    return [t.numpy(force=True) for t in tensors]
 
 
 def lapack_for(t: torch.Tensor, torch_kernel: bool) -> bool:
@@ -148,6 +148,31 @@ def partitioned_pays(rhs: torch.Tensor) -> bool:
     ``(*B, n, k)`` right-hand side.
     """
     return rhs.shape[-2] >= PARTITIONED_MIN_N and _partitioned_allowed()
+
+
+def lapack_solves(rhs: torch.Tensor, torch_kernel: bool) -> bool:
+    """Whether a solve of this ``(*B, n, k)`` right-hand side without factors runs on LAPACK."""
+    return lapack_for(rhs, torch_kernel) and not compiled_pays(rhs)
+
+
+# Below this many elements, a backward's band products run on NumPy views rather than torch
+# tensors. torch runs an elementwise operation on one thread below its grain size of 32768
+# elements (at::internal::GRAIN_SIZE), so there NumPy (always one thread) does the same work with
+# a fraction of torch's fixed cost per operation (chapter 9 measures both).
+NUMPY_BACKWARD_MAX_ELEMENTS = 32768
+
+
+def numpy_backward_pays(grad_x: torch.Tensor, lu, torch_kernel: bool) -> bool:
+    """Whether a first-order backward without factors (``lu is None``) runs on NumPy arrays:
+    for LAPACK solves of at most ``NUMPY_BACKWARD_MAX_ELEMENTS`` elements."""
+    return (lu is None and grad_x.numel() <= NUMPY_BACKWARD_MAX_ELEMENTS
+            and lapack_solves(grad_x, torch_kernel))
+
+
+def numpy_solve(lower, diag, upper, rhs):
+    """:func:`tridiag_tutorial.lapack.solve` of NumPy arrays, as a torch-free ``solve`` for the
+    rules of :mod:`tridiag_tutorial.rules` (see :func:`numpy_backward_pays`)."""
+    return lapack.solve(lower, diag, upper, rhs)
 
 
 def factor(lower, diag, upper, torch_kernel: bool):

@@ -113,7 +113,7 @@ def _direct(*tensors) -> bool:
     for t in tensors:
         if t is None:
             continue
-        if type(t) is not torch.Tensor or t.device.type == "meta" or _compat.is_functorch_tensor(t):
+        if type(t) is not torch.Tensor or t.is_meta or _compat.is_functorch_tensor(t):
             return False
     return True
 
@@ -148,18 +148,30 @@ def _band_grads_and_rhs(solve, needs, lower, diag, upper, x, grad_x):
     (``ctx.needs_input_grad`` of the bands); ``v = A^{-H} g`` is the gradient of ``rhs``."""
     if any(needs):
         return rules.solve_backward(solve, lower, diag, upper, x, grad_x)
-    v = solve(upper.conj(), diag.conj(), lower.conj(), grad_x)
+    v = solve(*rules.adjoint_bands(lower, diag, upper), grad_x)
     return None, None, None, v
 
 
-def _backward(solve, ctx, grad_x):
+def _backward(solve, ctx, saved, grad_x):
     """Both paths' backward: ``solve(lower, diag, upper, rhs, lu, pivots, trans)`` solves with
-    ``M^H`` from the saved factors (or from ``M^H``'s bands when there are none)."""
-    lower, diag, upper, x, lu, pivots = ctx.saved_tensors
+    ``M^H`` from the saved factors (or from ``M^H``'s bands when there are none); ``saved`` is
+    ``ctx.saved_tensors``."""
+    lower, diag, upper, x, lu, pivots = saved
     lu, pivots, trans = _adjoint(lu, pivots, ctx.trans)
     grads = _band_grads_and_rhs(lambda l, d, u, r: solve(l, d, u, r, lu, pivots, trans),
                                 ctx.needs_input_grad[:3], lower, diag, upper, x, grad_x)
     return (*grads, None, None, None, None)
+
+
+def _numpy_backward(ctx, saved, grad_x):
+    """:func:`_backward` on NumPy views, for a small first-order backward on LAPACK without
+    factors (see :func:`tridiag_tutorial.kernels.numpy_backward_pays`): the same rules, run on
+    NumPy arrays, whose operations cost a fraction of a microsecond where a torch operation
+    costs a few."""
+    arrays = kernels._numpy(*saved[:4], grad_x)
+    grads = _band_grads_and_rhs(kernels.numpy_solve, ctx.needs_input_grad[:3], *arrays)
+    return (*(None if g is None else torch.from_numpy(g) for g in grads),
+            None, None, None, None)
 
 
 def _jvp(solve, ctx, tangents):
@@ -196,16 +208,19 @@ class _TridiagonalSolve(torch.autograd.Function):
     def backward(ctx, grad_x):
         if grad_x is None:  # grads are not materialised: x was not used by the loss
             return (None,) * 8
+        saved = ctx.saved_tensors  # each read unpacks them again: read once
         plain = not torch.is_grad_enabled() and not _compat.forward_ad_active()
-        if plain and _direct(grad_x, *ctx.saved_tensors):
+        if plain and _direct(grad_x, *saved):
             # First-order backward, not itself differentiated: call the kernels directly.
-            return _backward(lambda *a: _kernel(*a, ctx.torch_kernel), ctx, grad_x)
+            if kernels.numpy_backward_pays(grad_x, saved[4], ctx.torch_kernel):
+                return _numpy_backward(ctx, saved, grad_x)
+            return _backward(lambda *a: _kernel(*a, ctx.torch_kernel), ctx, saved, grad_x)
         # Solve through the differentiable Function, so higher derivatives work.
-        return _backward(lambda *a: _TridiagonalSolve.apply(*a, ctx.torch_kernel), ctx, grad_x)
+        return _backward(lambda *a: _apply(*a, ctx.torch_kernel), ctx, saved, grad_x)
 
     @staticmethod
     def jvp(ctx, d_lower, d_diag, d_upper, d_rhs, *_):
-        return _jvp(lambda *a: _TridiagonalSolve.apply(*a, ctx.torch_kernel), ctx,
+        return _jvp(lambda *a: _apply(*a, ctx.torch_kernel), ctx,
                     (d_lower, d_diag, d_upper, d_rhs))
 
     @staticmethod
@@ -215,10 +230,36 @@ class _TridiagonalSolve(torch.autograd.Function):
         return _batch_rule(solve, info, in_dims[:6], lower, diag, upper, rhs, lu, pivots)
 
 
+class _PlainTridiagonalSolve(torch.autograd.Function):
+    """:class:`_TridiagonalSolve` for the calls that no ``torch.func`` transform sees: the same
+    forward, backward and ``jvp``, with the old-style ``forward(ctx, ...)`` instead of
+    ``setup_context``. ``Function.apply`` binds the arguments of a Function that defines
+    ``setup_context`` to its signature with :mod:`inspect` on every call (chapter 9 measures
+    it: tens of microseconds, several times LAPACK's time at n = 100), and ``torch.func`` accepts
+    only such Functions; so :func:`_apply` picks this one when no transform is active."""
+
+    @staticmethod
+    def forward(ctx, lower, diag, upper, rhs, lu, pivots, trans, torch_kernel):
+        x = _TridiagonalSolve.forward(lower, diag, upper, rhs, lu, pivots, trans, torch_kernel)
+        _TridiagonalSolve.setup_context(
+            ctx, (lower, diag, upper, rhs, lu, pivots, trans, torch_kernel), x)
+        return x
+
+    backward = _TridiagonalSolve.backward
+    jvp = _TridiagonalSolve.jvp
+
+
+def _apply(*args):
+    """``_TridiagonalSolve.apply(*args)``, through the cheaper :class:`_PlainTridiagonalSolve`
+    when no ``torch.func`` transform is active."""
+    if _compat.transform_active():
+        return _TridiagonalSolve.apply(*args)
+    return _PlainTridiagonalSolve.apply(*args)
+
+
 def _differentiable_solve(lower, diag, upper, rhs):
     """The differentiable solve of validated inputs, on the current kernel choice."""
-    return _TridiagonalSolve.apply(lower, diag, upper, rhs, None, None, "N",
-                                   _torch_kernel_on_cpu())
+    return _apply(lower, diag, upper, rhs, None, None, "N", _torch_kernel_on_cpu())
 
 
 _FORWARD_OVER_FORWARD = (
@@ -315,7 +356,8 @@ class _CompiledSolve(_compat.SingleLevelFunction):
 
     @staticmethod
     def backward(ctx, grad_x):
-        return _backward(lambda *a: _compiled_op(*a, ctx.torch_kernel), ctx, grad_x)
+        return _backward(lambda *a: _compiled_op(*a, ctx.torch_kernel), ctx, ctx.saved_tensors,
+                         grad_x)
 
     @staticmethod
     def jvp(ctx, d_lower, d_diag, d_upper, d_rhs, *_):
@@ -358,7 +400,7 @@ def _solve(lower, diag, upper, rhs, lu, pivots, trans: str, torch_kernel: bool) 
             "torch.export.export for a graph to save.")
     if _unobserved(args):  # no autograd, transform or mode can see the call: skip dispatch
         return _kernel(*args, trans, torch_kernel)
-    return _TridiagonalSolve.apply(*args, trans, torch_kernel)
+    return _apply(*args, trans, torch_kernel)
 
 
 def tridiagonal_solve(lower: torch.Tensor, diag: torch.Tensor, upper: torch.Tensor,
