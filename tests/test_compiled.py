@@ -7,7 +7,7 @@ from torch.func import grad, hessian, jacfwd, vmap
 
 from tridiag_tutorial import compiled, dense_solve, lapack, tridiagonal_solve
 
-from conftest import ALL_DTYPES, assert_close, make_system
+from conftest import ALL_DTYPES, assert_close, assert_grads_match_dense, make_system
 
 LANES = {torch.float32: 16, torch.complex64: 16, torch.float64: 8, torch.complex128: 8}
 
@@ -197,19 +197,18 @@ def on_compiled(op, monkeypatch):
     """The public op with the compiled kernel allowed; counts calls of the kernel and of LAPACK."""
     from tridiag_tutorial import kernels
 
-    calls = {"compiled": 0, "lapack": 0}
-    real_op, real_lapack = compiled._op, lapack.solve
+    calls = {"compiled": 0, "lapack": 0, "autograd": 0}
+    real_op, real_autograd, real_lapack = compiled._op, compiled._autograd_op, lapack.solve
 
-    def counting_op(*a):
-        calls["compiled"] += 1
-        return real_op(*a)
+    def counting(key, real):
+        def call(*a):
+            calls[key] += 1
+            return real(*a)
+        return call
 
-    def counting_lapack(*a):
-        calls["lapack"] += 1
-        return real_lapack(*a)
-
-    monkeypatch.setattr(compiled, "_op", counting_op)
-    monkeypatch.setattr(lapack, "solve", counting_lapack)
+    monkeypatch.setattr(compiled, "_op", counting("compiled", real_op))
+    monkeypatch.setattr(compiled, "_autograd_op", counting("autograd", real_autograd))
+    monkeypatch.setattr(lapack, "solve", counting("lapack", real_lapack))
     with kernels.use_compiled(True):
         yield calls
 
@@ -220,12 +219,111 @@ def squared(x):
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.complex128], ids=str)
 def test_public_op_runs_the_kernel_forward_and_backward(on_compiled, dtype):
+    """Reverse mode goes to the op whose backward is in C++ (one call: the backward's solve with
+    A^H happens inside it); a forward without grad calls the kernel directly."""
     args = make_system(7, (5,), 2, dtype=dtype, requires_grad=True, seed=50)
     grads = torch.autograd.grad(squared(tridiagonal_solve(*args)), args)
-    assert on_compiled == {"compiled": 2, "lapack": 0}  # forward, and the backward with A^H
+    assert on_compiled == {"compiled": 0, "lapack": 0, "autograd": 1}
     expected = torch.autograd.grad(squared(dense_solve(*args)), args)
     for g, e in zip(grads, expected):
         assert_close(g, e)
+    with torch.no_grad():
+        tridiagonal_solve(*args)
+    assert on_compiled == {"compiled": 1, "lapack": 0, "autograd": 1}
+
+
+# ----------------------------------------------------------------------------------------------
+# The op with its backward in C++ (csrc/tridiag_autograd.cpp): eager reverse mode only.
+# ----------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("dtype", ALL_DTYPES, ids=str)
+@pytest.mark.parametrize("n", [1, 2, 3, 17])
+@pytest.mark.parametrize("batch, k", [((), None), ((3,), None), ((2, 3), 4), ((), 2)], ids=str)
+def test_cpp_backward_matches_dense(on_compiled, dtype, n, batch, k):
+    args = make_system(n, batch, k, dtype=dtype, requires_grad=True, seed=60 + n)
+    x = tridiagonal_solve(*args)
+    assert "TridiagonalSolve" in x.grad_fn.name() and on_compiled["autograd"] == 1
+    grads = torch.autograd.grad(squared(x), args)
+    assert_grads_match_dense(grads, args, squared, dtype)
+    assert x.shape == args[3].shape
+
+
+def test_cpp_backward_broadcast_bands_and_some_inputs(on_compiled):
+    """Bands broadcast against a batch of right-hand sides (the gradients are summed back to
+    the bands' shapes), and only the inputs that require grad get one."""
+    lower, diag, upper, rhs = make_system(6, (4,), seed=61)
+    lower, diag, upper = (t[:1].clone().requires_grad_() for t in (lower, diag, upper))
+    args = (lower, diag, upper, rhs)
+    grads = torch.autograd.grad(squared(tridiagonal_solve(*args)), (lower, diag, upper))
+    expected = torch.autograd.grad(squared(dense_solve(*args)), (lower, diag, upper))
+    for g, e in zip(grads, expected):
+        assert g.shape == e.shape
+        assert_close(g, e)
+    rhs.requires_grad_()
+    diag.requires_grad_(False)
+    x = tridiagonal_solve(lower.detach(), diag, upper.detach(), rhs)
+    (g,) = torch.autograd.grad(squared(x), rhs)
+    assert_close(g, torch.autograd.grad(squared(dense_solve(lower, diag, upper, rhs)), rhs)[0])
+    assert on_compiled["autograd"] == 2 and on_compiled["lapack"] == 0
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.complex128], ids=str)
+def test_cpp_backward_gradcheck_and_double_backward(on_compiled, dtype):
+    """Finite differences, and create_graph=True: the C++ backward records its own solve."""
+    args = make_system(5, (3,), 2, dtype=dtype, requires_grad=True, seed=62)
+    assert gradcheck(tridiagonal_solve, args)
+    assert gradgradcheck(tridiagonal_solve, args)
+    vector = make_system(6, (), dtype=dtype, requires_grad=True, seed=63)
+    assert gradcheck(tridiagonal_solve, vector) and gradgradcheck(tridiagonal_solve, vector)
+    assert on_compiled["autograd"] > 0 and on_compiled["lapack"] == 0
+
+
+def test_cpp_backward_with_batched_grad_outputs(on_compiled):
+    """autograd.grad(is_grads_batched=True) runs the C++ backward under vmap."""
+    args = make_system(5, (2,), requires_grad=True, seed=64)
+    x = tridiagonal_solve(*args)
+    eye = torch.eye(x.numel(), dtype=x.dtype).reshape(-1, *x.shape)
+    jac = torch.autograd.grad(x, args[3], eye, is_grads_batched=True)[0]
+    dense_jac = torch.autograd.grad(dense_solve(*args), args[3], eye, is_grads_batched=True)[0]
+    assert_close(jac, dense_jac)
+    assert on_compiled["autograd"] == 1
+
+
+def test_cpp_backward_is_not_used_where_it_has_no_rule(on_compiled):
+    """Forward-mode AD, torch.func transforms and tensors modes see the Python Function."""
+    import torch.autograd.forward_ad as fwAD
+
+    args = make_system(5, (2,), requires_grad=True, seed=65)
+    with fwAD.dual_level():
+        dual = fwAD.make_dual(args[1].detach(), torch.ones_like(args[1]))
+        tangent = fwAD.unpack_dual(tridiagonal_solve(args[0], dual, args[2], args[3])).tangent
+    with fwAD.dual_level():
+        dual = fwAD.make_dual(args[1].detach(), torch.ones_like(args[1]))
+        expected = fwAD.unpack_dual(dense_solve(args[0], dual, args[2], args[3])).tangent
+    assert_close(tangent, expected)
+    grad(lambda d: squared(tridiagonal_solve(args[0], d, args[2], args[3])))(args[1])
+    assert on_compiled["autograd"] == 0 and on_compiled["compiled"] > 0
+
+
+def test_cpp_backward_errors_and_inputs(on_compiled):
+    """A singular matrix raises the package's error; the inputs are not modified; modifying the
+    result in place before the backward is caught by autograd."""
+    lower, diag, upper, rhs = make_system(4, (2, 3), seed=66)
+    diag[1, 0, 2], lower[1, 0, 2], upper[1, 0, 1] = 0.0, 0.0, 0.0
+    diag.requires_grad_()
+    with pytest.raises(torch.linalg.LinAlgError,
+                       match=r"pivot U\[2, 2\] is exactly zero, in batch element \(1, 0\)$"):
+        tridiagonal_solve(lower, diag, upper, rhs)
+    args = make_system(6, (3,), requires_grad=True, seed=67)
+    before = [t.detach().clone() for t in args]
+    x = tridiagonal_solve(*args)
+    torch.autograd.grad(squared(x), args)
+    for t, b in zip(args, before):
+        assert torch.equal(t, b)
+    y = tridiagonal_solve(*args)
+    y.mul_(2)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        y.sum().backward()
+    assert on_compiled["autograd"] == 3
 
 
 def test_one_large_system_stays_on_lapack(on_compiled):
@@ -233,9 +331,9 @@ def test_one_large_system_stays_on_lapack(on_compiled):
 
     args = make_system(kernels.COMPILED_ONE_SYSTEM_MAX_N + 1, seed=51)
     tridiagonal_solve(*args)
-    assert on_compiled == {"compiled": 0, "lapack": 1}
+    assert on_compiled == {"compiled": 0, "lapack": 1, "autograd": 0}
     tridiagonal_solve(*make_system(kernels.COMPILED_ONE_SYSTEM_MAX_N, seed=51))
-    assert on_compiled == {"compiled": 1, "lapack": 1}
+    assert on_compiled == {"compiled": 1, "lapack": 1, "autograd": 0}
 
 
 def test_gradcheck_forward_ad_and_second_order_on_the_kernel(on_compiled):
@@ -281,7 +379,7 @@ def test_public_op_singular_message_is_unchanged(on_compiled):
     with pytest.raises(torch.linalg.LinAlgError,
                        match=r"pivot U\[2, 2\] is exactly zero, in batch element \(1, 0\)$"):
         tridiagonal_solve(lower, diag, upper, rhs)
-    assert on_compiled == {"compiled": 1, "lapack": 0}
+    assert on_compiled == {"compiled": 1, "lapack": 0, "autograd": 0}
 
 
 def test_use_compiled_false_keeps_lapack(on_compiled):
@@ -289,7 +387,7 @@ def test_use_compiled_false_keeps_lapack(on_compiled):
 
     with kernels.use_compiled(False):
         tridiagonal_solve(*make_system(5, (4,), seed=56))
-    assert on_compiled == {"compiled": 0, "lapack": 1}
+    assert on_compiled == {"compiled": 0, "lapack": 1, "autograd": 0}
 
 
 def test_bad_input_to_the_raw_op_names_the_problem(op):

@@ -1,22 +1,31 @@
-"""Benchmark every solver in the book against raw LAPACK ``?gtsv``, in one process.
+"""Benchmark every solver in the book against raw LAPACK ``?gtsv`` and JAX, in one process.
 
 Run::
 
-    python -m tridiag_tutorial.benchmarks                  # the full suite (about 20-40 minutes)
+    python -m tridiag_tutorial.benchmarks                  # the full suite (about an hour)
     python -m tridiag_tutorial.benchmarks --quick          # tiny sizes: a smoke test
     python -m tridiag_tutorial.benchmarks --out results.json
 
-Method: every figure is the median of several timed repeats (each repeat runs the call enough
-times to last ``--min-time`` seconds), taken in the same process as its baseline, on one thread
-(``torch.set_num_threads(1)``) and on the default number of threads. The targets are ratios to
-the baseline measured in the same run, so they are comparable across machines.
+Method: every figure is a median measured with PyTorch's own ``torch.utils.benchmark``:
+``Timer.blocked_autorange`` runs the call in blocks (as many calls per block as make the timer's
+own overhead negligible) for ``--min-time`` x ``--repeats`` seconds, and the figure is the median
+block's time per call. Each case runs on one thread (``torch.set_num_threads(1)``, which ``Timer``
+holds while it measures) and on the default number of threads, in the same process as its
+baseline, raw ``?gtsv``; ratios to that baseline are comparable across machines. At the end the
+suite prints ``torch.utils.benchmark.Compare`` tables of the run and the ratios to JAX.
 
 Implementations: raw ``?gtsv`` through ``scipy.linalg.lapack`` (the baseline; a Python loop over
-the systems of a batch), ``scipy.linalg.solve_banded``, dense ``torch.linalg.solve`` (including
-assembling the matrix), the pure-torch kernel (:mod:`tridiag_tutorial.torch_kernel`), chapter 4's
-``autograd.Function``, chapter 5's custom op and the final :func:`tridiag_tutorial.tridiagonal_solve`.
+the systems of a batch), ``scipy.linalg.solve_banded``, JAX's ``jax.lax.linalg.tridiagonal_solve``
+(jitted, forward and ``jax.grad`` of all four inputs; only when JAX is installed, which the
+package never requires: ``pip install jax``), dense ``torch.linalg.solve`` (including assembling
+the matrix), the pure-torch kernel (:mod:`tridiag_tutorial.torch_kernel`), chapter 4's
+``autograd.Function``, chapter 5's custom op and the final :func:`tridiag_tutorial.tridiagonal_solve`,
+on LAPACK and, built and loaded by the suite, on the C++ kernel (:mod:`tridiag_tutorial.compiled`).
 Modes: ``forward`` and ``backward`` (forward plus the gradients of all four inputs), eager and
 ``torch.compile(fullgraph=True)``.
+
+JAX's CPU backend sizes its thread pool once, when it starts (``XLA_FLAGS``), so the suite cannot
+set it per thread setting; it leaves JAX at its default, which can only favour JAX on one thread.
 
 The time-stepping experiment (:func:`run_time_stepping`, skipped with ``--no-steps``, alone with
 ``--steps-only``) times an implicit simulation with one fixed matrix, ``u <- A^{-1} u`` for many
@@ -25,7 +34,8 @@ steps, forward and forward + backward, solving every step with
 :func:`~tridiag_tutorial.tridiagonal_lu_factor` and solving with
 :func:`~tridiag_tutorial.tridiagonal_lu_solve`.
 With ``--merge``, keys of the merged file that this run does not produce (such as ``factor_reuse``,
-the measurements of an earlier op that could keep LAPACK's factors for its backward) are kept.
+the measurements of an earlier op that could keep LAPACK's factors for its backward) are kept, and
+so are its result rows of cases this run does not measure.
 """
 
 from __future__ import annotations
@@ -46,6 +56,7 @@ import scipy
 import scipy.linalg
 import torch
 from scipy.linalg import get_lapack_funcs
+from torch.utils import benchmark
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from . import kernels
@@ -55,7 +66,7 @@ from .ops import tridiagonal_lu_factor, tridiagonal_lu_solve, tridiagonal_solve
 from .reference import dense_solve
 
 __all__ = ["run", "run_time_stepping", "run_compiled_kernel", "run_torch_kernels",
-           "CountOperations", "evaluate_targets", "main"]
+           "CountOperations", "evaluate_targets", "compare_with_jax", "main"]
 
 SINGLE_SIZES = [10**2, 10**3, 10**4, 10**5, 10**6]
 BATCHES = [(1024, 256), (16384, 64), (100000, 8)]
@@ -72,48 +83,65 @@ class Result:
     batch: int  # 0 for a single system
     dtype: str
     threads: int
-    seconds: float | None  # median time of one call; None if the call failed
-    repeats: list = field(default_factory=list)
+    seconds: float | None  # median time of one call over the blocks; None if the call failed
+    blocks: int = 0  # how many blocks of calls were timed (torch.utils.benchmark's replicates)
+    calls_per_block: int = 0
+    quartiles: list = field(default_factory=list)  # [25th, 75th] percentile of the blocks' times
+    extremes: list = field(default_factory=list)  # [fastest, slowest] block, seconds per call
     error: str | None = None  # the exception, when the implementation failed on this case
 
 
-def _calibrate(fn, min_time: float) -> tuple[int, float]:
-    """Warm up (and compile), then find how many calls make one repeat last ``min_time``:
-    ``(number, seconds those calls took)``."""
+def _timer(fn, **labels) -> benchmark.Timer:
+    """A ``torch.utils.benchmark.Timer`` of ``fn()`` at torch's current thread count (``Timer``
+    sets that count while it measures; its default would be one thread)."""
+    return benchmark.Timer(stmt="fn()", globals={"fn": fn}, num_threads=torch.get_num_threads(),
+                           **labels)
+
+
+def _time(fn, min_time: float, repeats: int, **labels) -> benchmark.Measurement:
+    """Time ``fn()`` with ``Timer.blocked_autorange`` for ``min_time * repeats`` seconds.
+
+    Two untimed calls first (the first call of a compiled function compiles, which would
+    otherwise set the block size). ``blocked_autorange`` then picks the number of calls per block
+    (the timer's own overhead below 0.01% of a block) and times blocks until the total reaches the
+    budget; the figure is the median block's time per call.
+    """
     fn()
+    fn()
+    return _timer(fn, **labels).blocked_autorange(min_run_time=min_time * repeats)
+
+
+def _summary(m: benchmark.Measurement) -> dict:
+    """The fields of :class:`Result` that describe a measurement."""
+    times = np.asarray(m.times)
+    return dict(seconds=m.median, blocks=len(times), calls_per_block=m.number_per_run,
+                quartiles=[float(q) for q in np.percentile(times, [25, 75])],
+                extremes=[float(times.min()), float(times.max())])
+
+
+def _calls_per_block(timer: benchmark.Timer, min_time: float) -> int:
+    """How many calls make one block of ``timer`` last at least ``min_time`` seconds."""
     number = 1
     while True:
-        start = time.perf_counter()
-        for _ in range(number):
-            fn()
-        elapsed = time.perf_counter() - start
+        elapsed = timer.timeit(number).times[0] * number
         if elapsed >= min_time or number >= 10**6:
-            return number, elapsed
+            return number
         number = max(number * 2, int(number * min_time / max(elapsed, 1e-9)))
-
-
-def _time(fn, min_time: float, repeats: int) -> tuple[float, list]:
-    number, elapsed = _calibrate(fn, min_time)
-    times = [elapsed / number]
-    for _ in range(repeats - 1):
-        start = time.perf_counter()
-        for _ in range(number):
-            fn()
-        times.append((time.perf_counter() - start) / number)
-    return statistics.median(times), times
 
 
 def _time_interleaved(fns: dict, min_time: float, repeats: int) -> dict:
     """Median seconds per call of each of ``fns``, timed in alternation (A B, B A, A B, ...), one
-    repeat of each after the other, so that a change in the machine's load affects all alike."""
-    numbers = {key: _calibrate(fn, min_time)[0] for key, fn in fns.items()}
+    block of each after the other, so that a change in the machine's load affects all alike.
+    Each block is a ``Timer.timeit`` of the number of calls that lasts ``min_time``."""
+    timers = {}
+    for key, fn in fns.items():
+        fn()  # warm up (and compile)
+        timers[key] = _timer(fn)
+    numbers = {key: _calls_per_block(t, min_time) for key, t in timers.items()}
     times = {key: [] for key in fns}
     for r in range(repeats):
         for key in (list(fns) if r % 2 == 0 else list(fns)[::-1]):
-            start = time.perf_counter()
-            for _ in range(numbers[key]):
-                fns[key]()
-            times[key].append((time.perf_counter() - start) / numbers[key])
+            times[key].append(timers[key].timeit(numbers[key]).median)
     return {key: statistics.median(t) for key, t in times.items()}
 
 
@@ -193,7 +221,20 @@ def _sequential_torch_kernel():
         yield
 
 
-CONTEXTS = {"pure-torch kernel": _sequential_torch_kernel}
+FINAL_CPP = "tridiagonal_solve (final, C++ kernel)"  # the final op once compiled.load() has run
+JAX_IMPL = "jax tridiagonal_solve"
+
+
+def _lapack_kernel():
+    return kernels.use_compiled(False)
+
+
+def _cpp_kernel():
+    return kernels.use_compiled(True)
+
+
+# Every other implementation runs on LAPACK even when the C++ kernel is loaded.
+CONTEXTS = {"pure-torch kernel": _sequential_torch_kernel, FINAL_CPP: _cpp_kernel}
 
 
 def _wanted(impl: str, n: int, batch: int) -> bool:
@@ -225,15 +266,68 @@ def _torch_callable(fn, args, mode, context=None):
     return in_context
 
 
+def _jax():
+    """The ``jax`` module with 64-bit floats enabled, or ``None`` when JAX is not installed (it
+    is never a requirement: only these benchmarks use it)."""
+    try:
+        import jax
+    except ImportError:
+        return None
+    jax.config.update("jax_enable_x64", True)
+    return jax
+
+
+def _jax_callable(args, mode: str):
+    """``jax.lax.linalg.tridiagonal_solve``, jitted, on the same system: forward, or forward +
+    the gradients of all four inputs (``mode="backward"``: ``jax.grad`` of ``sum(x)``, as ours
+    with a cotangent of ones). The inputs are built outside the timed call, in JAX's own band
+    convention (bands of length ``n``, ``dl[..., 0] = du[..., -1] = 0``) and a matrix ``b``, so
+    JAX pays no conversion. ``None`` when JAX is not installed."""
+    jax = _jax()
+    if jax is None:
+        return None
+    lower, diag, upper, rhs = (a.numpy() for a in args)
+    zero = np.zeros(diag.shape[:-1] + (1,), dtype=diag.dtype)
+    inputs = [jax.numpy.asarray(a) for a in (np.concatenate([zero, lower], axis=-1), diag,
+                                              np.concatenate([upper, zero], axis=-1),
+                                              rhs[..., None] if rhs.ndim == diag.ndim else rhs)]
+    solve = jax.lax.linalg.tridiagonal_solve
+    if mode == "forward":
+        fn = jax.jit(solve)
+    else:
+        fn = jax.jit(jax.grad(lambda *a: solve(*a).sum(), argnums=(0, 1, 2, 3)))
+    return lambda: jax.block_until_ready(fn(*inputs))
+
+
+def _load_cpp_kernel(log) -> bool:
+    """Build (or find cached) and load the C++ kernel; False, with the reason logged, if not."""
+    from . import compiled
+    try:
+        compiled.load()
+    except Exception as err:  # no compiler or ninja, or a failed build: a missing row, said so
+        log(f"  (no C++ kernel rows: {type(err).__name__}: {str(err).splitlines()[0]})")
+        return False
+    return True
+
+
 def run(sizes=SINGLE_SIZES, batches=BATCHES, dtypes=(torch.float32, torch.float64),
-        threads=(1, None), compile=True, min_time=0.2, repeats=7, log=print, progress=None):
+        threads=(1, None), compile=True, jax=True, cpp=True, min_time=0.2, repeats=7,
+        log=print, progress=None, measurements=None):
     """Measure everything; return a list of :class:`Result` (as dicts).
 
-    ``progress``, if given, is called with the results so far after each thread count and dtype.
+    ``jax``: also time JAX's ``tridiagonal_solve`` and its gradient when JAX is installed.
+    ``cpp``: also time the final op on the C++ kernel (:mod:`tridiag_tutorial.compiled`, built
+    if needed; the other rows run on LAPACK all the same). ``progress``, if given, is called
+    with the results so far after each thread count and dtype. ``measurements``, if a list,
+    receives every ``torch.utils.benchmark.Measurement`` (for a ``Compare`` table).
     """
     results = []
     shapes = [(n, 0) for n in sizes] + [(n, b) for b, n in batches]
     compiled_fns = {}
+    if jax and _jax() is None:
+        log("  (no JAX rows: jax is not installed; pip install jax to add them)")
+        jax = False
+    cpp = cpp and _load_cpp_kernel(log)
     # Each (function, dtype, rank, mode) compiles once with dynamic shapes; all of them share one
     # code object's cache in Dynamo, so the default limit of 8 entries is too small here.
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
@@ -250,32 +344,40 @@ def run(sizes=SINGLE_SIZES, batches=BATCHES, dtypes=(torch.float32, torch.float6
                     where = (f"  {dname:8s} threads={actual_threads} n={n:>7d} batch={batch:>6d} "
                              f"{mode:8s} {label:40s}")
                     try:
-                        seconds, times = _time(fn, min_time, repeats)
+                        m = _time(fn, min_time, repeats,
+                                  label=f"{mode}, {dname}, {actual_threads} thread(s)",
+                                  sub_label=f"n={n}" + (f" x {batch}" if batch else ""),
+                                  description=label)
                     except Exception as err:  # a failing implementation is a result too
                         error = f"{type(err).__name__}: {str(err).splitlines()[0]}"
                         results.append(Result(impl, mode, compiled, n, batch, dname,
-                                              actual_threads, None, [], error))
+                                              actual_threads, None, error=error))
                         log(f"{where} FAILED {error}")
                         return
+                    if measurements is not None:
+                        measurements.append(m)
                     results.append(Result(impl, mode, compiled, n, batch, dname, actual_threads,
-                                          seconds, times))
-                    log(f"{where} {seconds * 1e6:12.1f} us")
+                                          **_summary(m)))
+                    log(f"{where} {m.median * 1e6:12.1f} us")
 
                 record("dgtsv (raw LAPACK)", "forward", False, _raw_gtsv(args))
                 record("scipy solve_banded", "forward", False, _solve_banded(args))
-                for impl, fn in TORCH_IMPLS.items():
+                for mode in ("forward", "backward") if jax else ():
+                    record(JAX_IMPL, mode, False, _jax_callable(args, mode))
+                impls = {**TORCH_IMPLS, **({FINAL_CPP: tridiagonal_solve} if cpp else {})}
+                for impl, fn in impls.items():
                     if not _wanted(impl, n, batch):
                         continue
+                    context = CONTEXTS.get(impl, _lapack_kernel)
                     for mode in ("forward", "backward"):
-                        record(impl, mode, False,
-                               _torch_callable(fn, args, mode, CONTEXTS.get(impl)))
+                        record(impl, mode, False, _torch_callable(fn, args, mode, context))
                         if compile and impl in COMPILED:
                             key = (impl, mode, dtype, batch > 0)
                             if key not in compiled_fns:
                                 compiled_fns[key] = torch.compile(fn, fullgraph=True,
                                                                   dynamic=True)
                             record(impl, mode, True,
-                                   _torch_callable(compiled_fns[key], args, mode))
+                                   _torch_callable(compiled_fns[key], args, mode, context))
             if progress is not None:
                 progress([asdict(r) for r in results])
     return [asdict(r) for r in results]
@@ -347,24 +449,6 @@ def run_time_stepping(cases=STEP_CASES, steps=STEPS, dtypes=(torch.float64,), th
 COMPILED_CASES = [(256, 1024), (64, 16384), (8, 100000), (10**5, 0), (10**6, 0)]  # (n, batch)
 
 
-def _jax_solve(args):
-    """``jax.lax.linalg.tridiagonal_solve``, jitted, on the same system (JAX's band convention:
-    ``dl[0] = 0``, ``du[-1] = 0``); ``None`` when JAX is not installed."""
-    try:
-        import jax
-        import jax.numpy as jnp
-    except ImportError:
-        return None
-    jax.config.update("jax_enable_x64", True)
-    lower, diag, upper, rhs = (a.numpy() for a in args)
-    zero = np.zeros(diag.shape[:-1] + (1,), dtype=diag.dtype)
-    dl = jnp.asarray(np.concatenate([zero, lower], axis=-1))
-    du = jnp.asarray(np.concatenate([upper, zero], axis=-1))
-    d, b = jnp.asarray(diag), jnp.asarray(rhs[..., None])
-    solve = jax.jit(jax.lax.linalg.tridiagonal_solve)
-    return lambda: solve(dl, d, du, b).block_until_ready()
-
-
 def run_compiled_kernel(cases=COMPILED_CASES, threads=(1, None), min_time=0.2, repeats=15,
                         log=print):
     """Time the compiled kernel (:mod:`tridiag_tutorial.compiled`, built if needed), a Python loop
@@ -381,7 +465,7 @@ def run_compiled_kernel(cases=COMPILED_CASES, threads=(1, None), min_time=0.2, r
             fns = {"compiled kernel": lambda: op(*matrix),
                    "dgtsv (raw LAPACK)": _raw_gtsv(args),
                    "lapack.solve (joined batch)": lambda: lapack.solve(*arrays)}
-            jax_fn = _jax_solve(args)
+            jax_fn = _jax_callable(args, "forward")
             if jax_fn is not None:
                 fns["jax tridiagonal_solve"] = jax_fn
             medians = _time_interleaved(fns, min_time, repeats)
@@ -457,6 +541,12 @@ def run_torch_kernels(cases=TORCH_KERNEL_CASES, threads=(1, None), min_time=0.2,
     return rows
 
 
+def _case(row) -> tuple:
+    """What a result row measured: implementation, mode, compiled or not, shape, dtype, threads."""
+    return tuple(row.get(k) for k in ("impl", "mode", "compiled", "n", "batch", "dtype",
+                                      "threads"))
+
+
 def _lookup(results, **key):
     for r in results:
         if all(r[k] == v for k, v in key.items()) and r["seconds"] is not None:
@@ -507,6 +597,47 @@ def evaluate_targets(results):
     return rows
 
 
+def compare_with_jax(results):
+    """Our final op against JAX, case by case: one row per (dtype, threads, n, batch, variant of
+    the final op, mode) that both have, with ``ratio`` = ours / JAX (below 1: ours is faster).
+    ``mode="backward"`` compares our forward + backward (all four gradients) with JAX's
+    ``jax.grad`` of the same four. The variants: eager on LAPACK, ``torch.compile``-d, and
+    eager on the C++ kernel."""
+    rows = []
+    variants = [("tridiagonal_solve (final)", False), ("tridiagonal_solve (final)", True),
+                (FINAL_CPP, False)]
+    for r in results:
+        if (r["impl"], r["compiled"]) not in variants or r["seconds"] is None:
+            continue
+        jax_seconds = _lookup(results, impl=JAX_IMPL, mode=r["mode"], n=r["n"], batch=r["batch"],
+                              dtype=r["dtype"], threads=r["threads"])
+        if jax_seconds is None:
+            continue
+        rows.append(dict(impl=r["impl"], compiled=r["compiled"], mode=r["mode"], n=r["n"],
+                         batch=r["batch"], dtype=r["dtype"], threads=r["threads"],
+                         seconds=r["seconds"], jax_seconds=jax_seconds,
+                         ratio=r["seconds"] / jax_seconds))
+    return rows
+
+
+def format_jax_table(rows) -> str:
+    lines = ["Ours / JAX (median times; below 1: ours is faster). backward: our forward + backward "
+             "against jax.grad, all four gradients.",
+             f"{'dtype':8s} {'thr':>3s} {'n':>8s} {'batch':>6s} {'mode':8s} {'ours':42s} "
+             f"{'ours':>10s} {'JAX':>10s} {'ratio':>6s}"]
+    for r in rows:
+        label = r["impl"] + (" [compiled]" if r["compiled"] else "")
+        lines.append(f"{r['dtype']:8s} {r['threads']:>3d} {r['n']:>8d} {r['batch']:>6d} "
+                     f"{r['mode']:8s} {label:42s} {r['seconds'] * 1e6:8.1f}us "
+                     f"{r['jax_seconds'] * 1e6:8.1f}us {r['ratio']:6.2f}")
+    return "\n".join(lines)
+
+
+def _jax_version():
+    jax = _jax()
+    return None if jax is None else jax.__version__
+
+
 def machine_info():
     model = platform.processor()
     try:
@@ -522,32 +653,12 @@ def machine_info():
         "torch": torch.__version__,
         "numpy": np.__version__,
         "scipy": scipy.__version__,
+        "jax": _jax_version(),
         "platform": platform.platform(),
         "date": time.strftime("%Y-%m-%d"),
-        "env": {k: v for k, v in os.environ.items() if k.startswith(("OPENBLAS", "OMP", "MKL"))},
+        "env": {k: v for k, v in os.environ.items()
+                if k.startswith(("OPENBLAS", "OMP", "MKL", "XLA"))},
     }
-
-
-def format_table(results, targets) -> str:
-    lines = [f"{'dtype':8s} {'thr':>3s} {'n':>8s} {'batch':>6s} {'mode':8s} {'implementation':42s} "
-             f"{'median':>12s} {'/dgtsv':>8s}"]
-    for r in results:
-        base = _lookup(results, impl="dgtsv (raw LAPACK)", mode="forward", n=r["n"],
-                       batch=r["batch"], dtype=r["dtype"], threads=r["threads"], compiled=False)
-        label = r["impl"] + (" [compiled]" if r["compiled"] else "")
-        head = (f"{r['dtype']:8s} {r['threads']:>3d} {r['n']:>8d} {r['batch']:>6d} "
-                f"{r['mode']:8s} {label:42s}")
-        if r["seconds"] is None:
-            lines.append(f"{head} FAILED: {r['error']}")
-        else:
-            lines.append(f"{head} {r['seconds'] * 1e6:10.1f}us {r['seconds'] / base:8.2f}")
-    lines.append("")
-    lines.append("Targets (ratio of medians measured in this run):")
-    for t in targets:
-        ratio = "n/a" if t["ratio"] is None else f"{t['ratio']:.3f}"
-        lines.append(f"  [{'met' if t['met'] else 'MISSED':6s}] {t['dtype']:8s} threads={t['threads']} "
-                     f"n={t['n']} batch={t['batch']}: {t['target']}: {ratio}")
-    return "\n".join(lines)
 
 
 def format_steps_table(rows) -> str:
@@ -587,12 +698,19 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="tiny sizes, one dtype: a smoke test")
     parser.add_argument("--no-compile", action="store_true", help="skip torch.compile cases")
+    parser.add_argument("--no-jax", action="store_true",
+                        help="skip JAX's rows even when jax is installed")
+    parser.add_argument("--no-cpp", action="store_true",
+                        help="skip the rows of the final op on the C++ kernel (which the suite "
+                             "otherwise builds, about a minute the first time)")
     parser.add_argument("--out", default="benchmark_results.json", help="JSON file to write")
     parser.add_argument("--min-time", type=float, default=0.2, help="seconds per repeat")
     parser.add_argument("--repeats", type=int, default=7, help="repeats per median")
     parser.add_argument("--threads", default="1,default",
                         help="comma-separated thread counts; 'default' is torch's default")
-    parser.add_argument("--merge", help="a previous results JSON whose results come first")
+    parser.add_argument("--merge", help="a previous results JSON: its keys that this run does not "
+                                             "write are kept, and its result rows of cases this "
+                                             "run does not measure")
     parser.add_argument("--no-steps", action="store_true",
                         help="skip the time-stepping experiment (run_time_stepping)")
     parser.add_argument("--steps-only", action="store_true",
@@ -627,18 +745,20 @@ def main(argv=None):
             merged = json.load(f)
         earlier = {key: merged.get(key, []) for key in earlier}
         kept = {k: v for k, v in merged.items()
-                if k not in earlier and k not in ("machine", "config", "targets",
+                if k not in earlier and k not in ("machine", "config", "targets", "jax_comparison",
                                                   "time_stepping_machine", "time_stepping_config")}
         if opts.steps_only:
             earlier["time_stepping"] = []
 
     def write(results, steps=()):
-        results = earlier["results"] + results
+        measured = {_case(r) for r in results}  # the merged file's rows of these cases are stale
+        results = [r for r in earlier["results"] if _case(r) not in measured] + results
         machine = machine_info()
         this_config = {k: str(v) for k, v in config.items()}
         report = {"machine": merged.get("machine", machine) if opts.steps_only else machine,
                   "config": merged.get("config", this_config) if opts.steps_only else this_config,
                   "results": results, "targets": evaluate_targets(results),
+                  "jax_comparison": compare_with_jax(results),
                   "time_stepping": earlier["time_stepping"] + list(steps), **kept}
         if steps:
             report["time_stepping_machine"] = machine
@@ -647,10 +767,18 @@ def main(argv=None):
             json.dump(report, f, indent=1)
         return report
 
-    results = [] if opts.steps_only else run(compile=not opts.no_compile, progress=write, **config)
+    measurements = []
+    results = [] if opts.steps_only else run(
+        compile=not opts.no_compile, jax=not opts.no_jax, cpp=not opts.no_cpp, progress=write,
+        measurements=measurements, **config)
     steps = [] if opts.no_steps else run_time_stepping(**steps_config)
     report = write(results, steps)
-    print(format_table(report["results"], report["targets"]))
+    if measurements:  # this run's measurements, one table per mode, dtype and thread count
+        compare = benchmark.Compare(measurements)
+        compare.trim_significant_figures()
+        compare.print()
+    if report["jax_comparison"]:
+        print(format_jax_table(report["jax_comparison"]))
     if report["time_stepping"]:
         print("\n" + format_steps_table(report["time_stepping"]))
     print(f"\nwrote {opts.out}")

@@ -47,12 +47,14 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["load", "is_loaded", "op", "SOURCE"]
+__all__ = ["load", "is_loaded", "op", "autograd_op", "SOURCE", "AUTOGRAD_SOURCE"]
 
 NAME = "tridiag_tutorial_cpp"
 SOURCE = Path(__file__).with_name("csrc") / "tridiag.cpp"
+AUTOGRAD_SOURCE = SOURCE.with_name("tridiag_autograd.cpp")  # the solve with its backward in C++
 
 _op = None
+_autograd_op = None
 
 
 def is_loaded() -> bool:
@@ -66,6 +68,18 @@ def op():
         raise RuntimeError("tridiag_tutorial.compiled.op(): call tridiag_tutorial.compiled.load() "
                            "first")
     return _op
+
+
+def autograd_op():
+    """The loaded op ``torch.ops.tridiag_tutorial_cpp.solve_autograd`` (call :func:`load` first):
+    :func:`op` with an Autograd kernel in C++ (``csrc/tridiag_autograd.cpp``), so that a
+    backward runs without entering Python. It has no forward-mode rule and no vmap rule;
+    :func:`tridiag_tutorial.tridiagonal_solve` calls it only in eager reverse mode, where it
+    measured faster (see :func:`tridiag_tutorial.kernels.cpp_autograd_pays`)."""
+    if _autograd_op is None:
+        raise RuntimeError("tridiag_tutorial.compiled.autograd_op(): call "
+                           "tridiag_tutorial.compiled.load() first")
+    return _autograd_op
 
 
 def _missing_tools() -> list[str]:
@@ -86,7 +100,7 @@ def load(verbose: bool = False):
 
     Raises :class:`RuntimeError` when no C++ compiler or no ninja is available.
     """
-    global _op
+    global _op, _autograd_op
     if _op is not None:
         return _op
     missing = _missing_tools()
@@ -97,10 +111,11 @@ def load(verbose: bool = False):
             + ". The LAPACK kernel (through SciPy) stays the default and needs no compiler.")
     from torch.utils.cpp_extension import load as _cpp_load
 
-    _cpp_load(name=NAME, sources=[str(SOURCE)], extra_cflags=["-O3"], is_python_module=False,
-              verbose=verbose)
+    _cpp_load(name=NAME, sources=[str(SOURCE), str(AUTOGRAD_SOURCE)], extra_cflags=["-O3"],
+              is_python_module=False, verbose=verbose)
     op = torch.ops.tridiag_tutorial_cpp.solve
     _register_fake()
+    _autograd_op = torch.ops.tridiag_tutorial_cpp.solve_autograd.default
     _op = op
     return op
 
@@ -116,5 +131,7 @@ def _register_fake() -> None:
     @torch.library.register_fake(f"{NAME}::solve")
     def _solve_fake(lower, diag, upper, rhs):
         return rhs.new_empty(rhs.shape)  # C-contiguous, like the CPU kernel's result
+
+    torch.library.register_fake(f"{NAME}::solve_autograd", _solve_fake)
 
     _fake_registered = True

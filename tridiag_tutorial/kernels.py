@@ -27,8 +27,8 @@ import torch
 from . import compiled, lapack, partitioned
 from . import torch_kernel as _pure_torch  # a module; "torch_kernel" below is the kernel choice
 
-__all__ = ["torch_kernel_on_cpu", "use_compiled", "compiled_pays", "use_partitioned",
-           "partitioned_pays", "solve", "factor"]
+__all__ = ["torch_kernel_on_cpu", "use_compiled", "compiled_pays", "cpp_autograd_pays",
+           "use_partitioned", "partitioned_pays", "solve", "factor"]
 
 # Which kernel a CPU tensor goes to is context-local state (a ContextVar: each thread, and each
 # asyncio task, has its own), never a module global: a block in one thread cannot change the kernel
@@ -106,6 +106,16 @@ def compiled_pays(rhs: torch.Tensor) -> bool:
     if not (compiled.is_loaded() and _USE_COMPILED.get()):
         return False
     return rhs.shape[:-2].numel() >= 2 or rhs.shape[-2] <= COMPILED_ONE_SYSTEM_MAX_N
+
+
+def cpp_autograd_pays(rhs: torch.Tensor, lu, torch_kernel: bool) -> bool:
+    """Whether a differentiable CPU solve without factors (``lu is None``) that only reverse-mode
+    autograd observes goes to :func:`tridiag_tutorial.compiled.autograd_op`, whose backward runs
+    in C++: wherever the compiled kernel takes the forward (:func:`compiled_pays`). Measured
+    (``python -m tridiag_tutorial.benchmarks``, the committed rows "tridiagonal_solve (final, C++
+    kernel)", chapter 9), forward + backward took a fraction of the Python backward's time on
+    every case where the compiled kernel solves."""
+    return lu is None and lapack_for(rhs, torch_kernel) and compiled_pays(rhs)
 
 
 PARTITIONED_MIN_N = 64  # measured: see partitioned_pays

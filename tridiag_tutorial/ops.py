@@ -70,7 +70,7 @@ from typing import NamedTuple
 
 import torch
 
-from . import _compat, kernels, rules
+from . import _compat, compiled, kernels, rules
 from ._validation import validate, validate_bands
 from .custom_op import _vmap_rule
 from .kernels import _torch_kernel_on_cpu
@@ -127,6 +127,15 @@ def _unobserved(args) -> bool:
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in args):
         return False
     return _direct(*args)
+
+
+def _reverse_mode_only(args) -> bool:
+    """True when a gradient may be asked for and only reverse-mode autograd can see this call:
+    an input requires grad, grad mode is on, no forward-mode AD level is entered, not compiling,
+    and :func:`_direct` holds. Then the C++ Autograd kernel (no ``jvp``, no vmap rule) may take
+    it."""
+    return (torch.is_grad_enabled() and any(t.requires_grad for t in args)
+            and not _compat.forward_ad_active() and not torch.jit.is_tracing() and _direct(*args))
 
 
 def _batch_rule(solve, info, in_dims, lower, diag, upper, rhs, lu, pivots):
@@ -460,6 +469,13 @@ def tridiagonal_solve(lower: torch.Tensor, diag: torch.Tensor, upper: torch.Tens
         # The sequential torch kernel: factor once, and the backward solves with A^H from the
         # factors. (The partitioned kernel, for larger n, solves again with A^H in the backward.)
         lu, pivots = _factors(p.lower, p.diag, p.upper, torch_kernel)
+    elif (not torch.compiler.is_compiling() and kernels.cpp_autograd_pays(p.rhs, None, torch_kernel)
+          and _reverse_mode_only(p[:4])):
+        # Reverse-mode autograd on the C++ kernel: the op whose backward runs in C++. It takes
+        # the caller's vector rhs as it is when nothing was broadcast (no unsqueeze to record).
+        given = p.vector_rhs and rhs.shape == p.diag.shape
+        x = compiled.autograd_op()(p.lower, p.diag, p.upper, rhs if given else p.rhs)
+        return x.squeeze(-1) if p.vector_rhs and not given else x
     x = _solve(p.lower, p.diag, p.upper, p.rhs, lu, pivots, "N", torch_kernel)
     return x.squeeze(-1) if p.vector_rhs else x
 
