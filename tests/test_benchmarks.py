@@ -1,11 +1,14 @@
 """Smoke test of the benchmark suite on tiny sizes: it runs and reports; no timing assertions."""
 
+import importlib.util
 import json
 
+import numpy as np
 import pytest
 import torch
+import torch.utils.benchmark
 
-from tridiag_tutorial import benchmarks, kernels, lapack
+from tridiag_tutorial import benchmarks, kernels, lapack, tridiagonal_solve
 
 
 @pytest.fixture(scope="module")
@@ -15,6 +18,16 @@ def quick(tmp_path_factory):
     return report, json.loads(out.read_text())
 
 
+def has_jax() -> bool:
+    return importlib.util.find_spec("jax") is not None
+
+
+def has_cpp() -> bool:
+    from tridiag_tutorial import compiled
+
+    return not compiled._missing_tools()
+
+
 def test_quick_benchmark_runs_and_writes_json(quick):
     report, saved = quick
     assert saved["machine"]["torch"] == report["machine"]["torch"]
@@ -22,9 +35,85 @@ def test_quick_benchmark_runs_and_writes_json(quick):
     assert {"dgtsv (raw LAPACK)", "tridiagonal_solve (final)", "ch4 autograd.Function",
             "ch5 custom_op", "torch.linalg.solve (dense)", "scipy solve_banded",
             "pure-torch kernel"} <= impls
+    assert (benchmarks.JAX_IMPL in impls) == has_jax()
+    assert (benchmarks.FINAL_CPP in impls) == has_cpp()
     assert {r["mode"] for r in saved["results"]} == {"forward", "backward"}
-    assert all(r["seconds"] > 0 for r in saved["results"])
+    for r in saved["results"]:  # torch.utils.benchmark's blocks, summarised
+        assert r["seconds"] > 0 and r["blocks"] >= 1 and r["calls_per_block"] >= 1
+        low, q25, q75, high = r["extremes"][0], *r["quartiles"], r["extremes"][1]
+        assert low <= q25 <= r["seconds"] <= q75 <= high
     assert saved["targets"] and all(t["ratio"] is not None for t in saved["targets"])
+
+
+@pytest.mark.skipif(not has_jax(), reason="jax is not installed (it is optional)")
+def test_quick_benchmark_compares_with_jax(quick):
+    rows = quick[1]["jax_comparison"]
+    assert {(r["impl"], r["mode"]) for r in rows} >= {
+        ("tridiagonal_solve (final)", "forward"), ("tridiagonal_solve (final)", "backward")}
+    for r in rows:
+        jax_row = [x for x in quick[1]["results"] if x["impl"] == benchmarks.JAX_IMPL
+                   and all(x[k] == r[k] for k in ("mode", "n", "batch", "dtype", "threads"))]
+        assert len(jax_row) == 1 and r["jax_seconds"] == jax_row[0]["seconds"]
+        assert r["ratio"] == r["seconds"] / r["jax_seconds"]
+
+
+@pytest.mark.skipif(not has_jax(), reason="jax is not installed (it is optional)")
+@pytest.mark.parametrize("n, batch", [(7, 0), (5, 3)])
+def test_jax_rows_compute_what_ours_compute(n, batch):
+    """The timed JAX calls solve the same system, and differentiate the same loss w.r.t. all
+    four inputs, as the rows of the final op they are compared with."""
+    args = benchmarks._problem(n, batch, torch.float64)
+    x = np.asarray(benchmarks._jax_callable(args, "forward")())[..., 0]
+    assert np.allclose(x, tridiagonal_solve(*args).numpy(), rtol=1e-12, atol=1e-12)
+    leaves = [a.detach().requires_grad_() for a in args]
+    ours = torch.autograd.grad(tridiagonal_solve(*leaves), leaves, torch.ones_like(args[3]))
+    dl, d, du, b = (np.asarray(g) for g in benchmarks._jax_callable(args, "backward")())
+    for theirs, mine in zip((dl[..., 1:], d, du[..., :-1], b[..., 0]), ours):
+        assert np.allclose(theirs, mine.numpy(), rtol=1e-10, atol=1e-12)
+
+
+def test_time_is_torch_utils_benchmark_at_the_current_thread_count():
+    calls = []
+    with torch.utils.benchmark.utils.common.set_torch_threads(1):
+        m = benchmarks._time(lambda: calls.append(1), min_time=0.001, repeats=3)
+    assert m.task_spec.num_threads == 1 and len(m.times) >= 1
+    # two warm-up calls, then blocked_autorange's calibration and its timed blocks
+    assert len(calls) > 2 + m.number_per_run * len(m.times)
+    assert min(m.times) <= m.median <= max(m.times)
+
+
+def test_merge_replaces_the_rows_of_cases_measured_again(tmp_path):
+    quick_case = dict(impl="dgtsv (raw LAPACK)", mode="forward", compiled=False, n=8, batch=0,
+                      dtype="float64", threads=1, seconds=123.0)
+    other_case = dict(quick_case, n=10**9)
+    old = tmp_path / "old.json"
+    old.write_text(json.dumps({"results": [quick_case, other_case]}))
+    out = tmp_path / "new.json"
+    benchmarks.main(["--quick", "--no-compile", "--no-steps", "--no-jax", "--no-cpp",
+                     "--merge", str(old), "--out", str(out)])
+    rows = json.loads(out.read_text())["results"]
+    assert other_case in rows and quick_case not in rows
+    assert len([r for r in rows if benchmarks._case(r) == benchmarks._case(quick_case)]) == 1
+
+
+@pytest.mark.skipif(not has_cpp(), reason="no C++ tool chain here")
+def test_final_op_rows_run_on_lapack_and_the_cpp_rows_on_the_kernel(monkeypatch):
+    """Once the suite has loaded the C++ kernel, the final op's rows still time LAPACK, and the
+    rows "final, C++ kernel" time the op with its backward in C++."""
+    from tridiag_tutorial import compiled
+
+    compiled.load()
+    calls = []
+    for name, module in (("_autograd_op", compiled), ("_op", compiled), ("solve", lapack)):
+        real = getattr(module, name)
+        monkeypatch.setattr(module, name, lambda *a, _n=name, _r=real: calls.append(_n) or _r(*a))
+    args = benchmarks._problem(8, 4, torch.float64)
+    final = "tridiagonal_solve (final)"
+    for impl, expected in ((final, ["solve", "solve"]), (benchmarks.FINAL_CPP, ["_autograd_op"])):
+        calls.clear()
+        benchmarks._torch_callable(benchmarks.TORCH_IMPLS[final], args, "backward",
+                                   benchmarks.CONTEXTS.get(impl, benchmarks._lapack_kernel))()
+        assert calls == expected, impl
 
 
 def test_quick_time_stepping_experiment_reports_both_strategies(quick):
