@@ -704,8 +704,10 @@ def main(argv=None):
                         help="skip the rows of the final op on the C++ kernel (which the suite "
                              "otherwise builds, about a minute the first time)")
     parser.add_argument("--out", default="benchmark_results.json", help="JSON file to write")
-    parser.add_argument("--min-time", type=float, default=0.2, help="seconds per repeat")
-    parser.add_argument("--repeats", type=int, default=7, help="repeats per median")
+    parser.add_argument("--min-time", type=float, default=0.2,
+                        help="seconds per repeat: each case is timed for min-time x repeats "
+                             "seconds (and the interleaved experiments in blocks of min-time)")
+    parser.add_argument("--repeats", type=int, default=7, help="repeats per case")
     parser.add_argument("--threads", default="1,default",
                         help="comma-separated thread counts; 'default' is torch's default")
     parser.add_argument("--merge", help="a previous results JSON: its keys that this run does not "
