@@ -72,6 +72,12 @@ def test_jax_rows_compute_what_ours_compute(n, batch):
         assert np.allclose(theirs, mine.numpy(), rtol=1e-10, atol=1e-12)
 
 
+@pytest.mark.skipif(not has_jax(), reason="jax is not installed (it is optional)")
+def test_jax_cpu_calls_name_the_lapack_routine():
+    calls = benchmarks.jax_cpu_calls()
+    assert any("sgtsv" in c for c in calls["float32"]) and any("dgtsv" in c for c in calls["float64"])
+
+
 def test_time_is_torch_utils_benchmark_at_the_current_thread_count():
     calls = []
     with torch.utils.benchmark.utils.common.set_torch_threads(1):

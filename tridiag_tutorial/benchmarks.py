@@ -45,6 +45,7 @@ import contextlib
 import json
 import os
 import platform
+import re
 import statistics
 import sys
 import time
@@ -362,8 +363,6 @@ def run(sizes=SINGLE_SIZES, batches=BATCHES, dtypes=(torch.float32, torch.float6
 
                 record("dgtsv (raw LAPACK)", "forward", False, _raw_gtsv(args))
                 record("scipy solve_banded", "forward", False, _solve_banded(args))
-                for mode in ("forward", "backward") if jax else ():
-                    record(JAX_IMPL, mode, False, _jax_callable(args, mode))
                 impls = {**TORCH_IMPLS, **({FINAL_CPP: tridiagonal_solve} if cpp else {})}
                 for impl, fn in impls.items():
                     if not _wanted(impl, n, batch):
@@ -378,6 +377,10 @@ def run(sizes=SINGLE_SIZES, batches=BATCHES, dtypes=(torch.float32, torch.float6
                                                                   dynamic=True)
                             record(impl, mode, True,
                                    _torch_callable(compiled_fns[key], args, mode, context))
+                # JAX last in each case, so that none of our rows is timed right after it (its
+                # CPU runtime runs worker threads of its own).
+                for mode in ("forward", "backward") if jax else ():
+                    record(JAX_IMPL, mode, False, _jax_callable(args, mode))
             if progress is not None:
                 progress([asdict(r) for r in results])
     return [asdict(r) for r in results]
@@ -638,6 +641,22 @@ def _jax_version():
     return None if jax is None else jax.__version__
 
 
+def jax_cpu_calls() -> dict | None:
+    """The custom calls (library kernels) in JAX's lowered CPU program for its tridiagonal
+    solve, per dtype, e.g. ``{"float64": ["lapack_dgtsv_ffi"]}``: what JAX runs underneath.
+    ``None`` when JAX is not installed."""
+    jax = _jax()
+    if jax is None:
+        return None
+    calls = {}
+    for dtype in ("float32", "float64"):
+        bands = [jax.numpy.zeros(4, dtype=dtype)] * 3
+        text = jax.jit(jax.lax.linalg.tridiagonal_solve).lower(
+            *bands, jax.numpy.zeros((4, 1), dtype=dtype)).as_text()
+        calls[dtype] = sorted(set(re.findall(r"custom_call @(\w+)", text)))
+    return calls
+
+
 def machine_info():
     model = platform.processor()
     try:
@@ -654,6 +673,7 @@ def machine_info():
         "numpy": np.__version__,
         "scipy": scipy.__version__,
         "jax": _jax_version(),
+        "jax_cpu_calls": jax_cpu_calls(),
         "platform": platform.platform(),
         "date": time.strftime("%Y-%m-%d"),
         "env": {k: v for k, v in os.environ.items()
