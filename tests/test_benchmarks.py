@@ -46,15 +46,22 @@ def test_quick_benchmark_runs_and_writes_json(quick):
 
 
 @pytest.mark.skipif(not has_jax(), reason="jax is not installed (it is optional)")
-def test_quick_benchmark_compares_with_jax(quick):
-    rows = quick[1]["jax_comparison"]
-    assert {(r["impl"], r["mode"]) for r in rows} >= {
-        ("tridiagonal_solve (final)", "forward"), ("tridiagonal_solve (final)", "backward")}
-    for r in rows:
-        jax_row = [x for x in quick[1]["results"] if x["impl"] == benchmarks.JAX_IMPL
-                   and all(x[k] == r[k] for k in ("mode", "n", "batch", "dtype", "threads"))]
-        assert len(jax_row) == 1 and r["jax_seconds"] == jax_row[0]["seconds"]
-        assert r["ratio"] == r["seconds"] / r["jax_seconds"]
+def test_quick_benchmark_ends_with_the_interleaved_comparison_with_jax(quick):
+    saved = quick[1]
+    rows = saved["against_jax"]
+    assert saved["against_jax_machine"]["jax"] and saved["results"]  # merged, not replaced
+    impls = {"tridiagonal_solve (final)", benchmarks.JAX_IMPL} | (
+        {benchmarks.FINAL_CPP} if has_cpp() else set())
+    cases = {(r["n"], r["batch"], r["dtype"], r["mode"]) for r in rows}
+    assert {(8, 16), (100, 0)} == {(n, batch) for n, batch, _, _ in cases}
+    for n, batch, dtype, mode in cases:
+        same = {r["impl"]: r for r in rows
+                if (r["n"], r["batch"], r["dtype"], r["mode"]) == (n, batch, dtype, mode)}
+        assert set(same) == impls
+        assert same[benchmarks.JAX_IMPL]["ratio"] == 1.0
+        for r in same.values():
+            assert r["seconds"] > 0
+            assert r["ratio"] == r["seconds"] / same[benchmarks.JAX_IMPL]["seconds"]
 
 
 @pytest.mark.skipif(not has_jax(), reason="jax is not installed (it is optional)")

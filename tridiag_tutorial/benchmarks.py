@@ -67,7 +67,7 @@ from .ops import tridiagonal_lu_factor, tridiagonal_lu_solve, tridiagonal_solve
 from .reference import dense_solve
 
 __all__ = ["run", "run_time_stepping", "run_compiled_kernel", "run_torch_kernels",
-           "CountOperations", "evaluate_targets", "compare_with_jax", "main"]
+           "run_against_jax", "CountOperations", "evaluate_targets", "main"]
 
 SINGLE_SIZES = [10**2, 10**3, 10**4, 10**5, 10**6]
 BATCHES = [(1024, 256), (16384, 64), (100000, 8)]
@@ -600,39 +600,57 @@ def evaluate_targets(results):
     return rows
 
 
-def compare_with_jax(results):
-    """Our final op against JAX, case by case: one row per (dtype, threads, n, batch, variant of
-    the final op, mode) that both have, with ``ratio`` = ours / JAX (below 1: ours is faster).
-    ``mode="backward"`` compares our forward + backward (all four gradients) with JAX's
-    ``jax.grad`` of the same four. The variants: eager on LAPACK, ``torch.compile``-d, and
-    eager on the C++ kernel."""
+# Our final op against JAX: the side-by-side that the performance chapter's scorecard renders.
+# Per case and mode, the final op on LAPACK, the final op after compiled.load() and JAX are timed
+# in alternation (_time_interleaved), so that a drift of the machine's speed during the run, which
+# separately timed rows cannot tell from a difference, affects all three alike.
+AGAINST_JAX_CASES = [(n, 0) for n in SINGLE_SIZES] + [(n, b) for b, n in BATCHES]
+
+
+def run_against_jax(cases=AGAINST_JAX_CASES, dtypes=(torch.float32, torch.float64),
+                    threads=(1, None), min_time=0.1, repeats=9, log=print):
+    """Time the final op (on LAPACK, and on the C++ kernel once loaded: ``FINAL_CPP``, which for
+    one system of ``n > kernels.COMPILED_ONE_SYSTEM_MAX_N`` runs LAPACK as well) against JAX,
+    forward and forward + backward (all four gradients; ``jax.grad`` for JAX), the three timed in
+    alternation. Returns rows with ``seconds`` and ``ratio`` = seconds / JAX's (below 1: faster
+    than JAX). Needs JAX; without a C++ tool chain the ``FINAL_CPP`` rows are left out."""
+    if _jax() is None:
+        raise RuntimeError("run_against_jax needs JAX: pip install jax")
+    cpp = _load_cpp_kernel(log)
     rows = []
-    variants = [("tridiagonal_solve (final)", False), ("tridiagonal_solve (final)", True),
-                (FINAL_CPP, False)]
-    for r in results:
-        if (r["impl"], r["compiled"]) not in variants or r["seconds"] is None:
-            continue
-        jax_seconds = _lookup(results, impl=JAX_IMPL, mode=r["mode"], n=r["n"], batch=r["batch"],
-                              dtype=r["dtype"], threads=r["threads"])
-        if jax_seconds is None:
-            continue
-        rows.append(dict(impl=r["impl"], compiled=r["compiled"], mode=r["mode"], n=r["n"],
-                         batch=r["batch"], dtype=r["dtype"], threads=r["threads"],
-                         seconds=r["seconds"], jax_seconds=jax_seconds,
-                         ratio=r["seconds"] / jax_seconds))
+    for actual in _each_thread_count(threads):
+        for dtype in dtypes:
+            dname = str(dtype).replace("torch.", "")
+            for n, batch in cases:
+                args = _problem(n, batch, dtype)
+                for mode in ("forward", "backward"):
+                    fns = {"tridiagonal_solve (final)":
+                           _torch_callable(tridiagonal_solve, args, mode, _lapack_kernel)}
+                    if cpp:
+                        fns[FINAL_CPP] = _torch_callable(tridiagonal_solve, args, mode, _cpp_kernel)
+                    fns[JAX_IMPL] = _jax_callable(args, mode)
+                    medians = _time_interleaved(fns, min_time, repeats)
+                    for impl, seconds in medians.items():
+                        rows.append(dict(impl=impl, mode=mode, n=n, batch=batch, dtype=dname,
+                                         threads=actual, seconds=seconds,
+                                         ratio=seconds / medians[JAX_IMPL]))
+                    log(f"  against JAX  {dname:8s} threads={actual} n={n:>7d} batch={batch:>6d} "
+                        f"{mode:8s} " + "  ".join(f"{impl.split(' (')[-1].rstrip(')')}: "
+                                                  f"{medians[impl] / medians[JAX_IMPL]:.2f}"
+                                                  for impl in fns if impl != JAX_IMPL))
     return rows
 
 
-def format_jax_table(rows) -> str:
-    lines = ["Ours / JAX (median times; below 1: ours is faster). backward: our forward + backward "
-             "against jax.grad, all four gradients.",
-             f"{'dtype':8s} {'thr':>3s} {'n':>8s} {'batch':>6s} {'mode':8s} {'ours':42s} "
-             f"{'ours':>10s} {'JAX':>10s} {'ratio':>6s}"]
+def format_against_jax(rows) -> str:
+    lines = ["Ours / JAX (interleaved medians; below 1: ours is faster). backward: our forward + "
+             "backward against jax.grad, all four gradients.",
+             f"{'dtype':8s} {'thr':>3s} {'n':>8s} {'batch':>6s} {'mode':8s} {'ours':38s} "
+             f"{'ours':>10s} {'ratio':>6s}"]
     for r in rows:
-        label = r["impl"] + (" [compiled]" if r["compiled"] else "")
-        lines.append(f"{r['dtype']:8s} {r['threads']:>3d} {r['n']:>8d} {r['batch']:>6d} "
-                     f"{r['mode']:8s} {label:42s} {r['seconds'] * 1e6:8.1f}us "
-                     f"{r['jax_seconds'] * 1e6:8.1f}us {r['ratio']:6.2f}")
+        if r["impl"] != JAX_IMPL:
+            lines.append(f"{r['dtype']:8s} {r['threads']:>3d} {r['n']:>8d} {r['batch']:>6d} "
+                         f"{r['mode']:8s} {r['impl']:38s} {r['seconds'] * 1e6:8.1f}us "
+                         f"{r['ratio']:6.2f}")
     return "\n".join(lines)
 
 
@@ -693,12 +711,14 @@ def format_steps_table(rows) -> str:
     return "\n".join(lines)
 
 
-def _main_experiment(opts, key, run_experiment, quick_cases):
-    """``--compiled-only`` / ``--torch-kernels-only``: one experiment's rows (under ``key``, with
-    ``key_machine`` and ``key_config``), merged into an existing results file."""
+def _main_experiment(opts, key, run_experiment, quick_cases, merge=None):
+    """``--compiled-only`` / ``--torch-kernels-only`` / ``--jax-only``: one experiment's rows
+    (under ``key``, with ``key_machine`` and ``key_config``), merged into an existing results file
+    (``merge``, else ``--merge``)."""
     report = {}
-    if opts.merge:
-        with open(opts.merge) as f:
+    merge = merge or opts.merge
+    if merge:
+        with open(merge) as f:
             report = json.load(f)
     if opts.quick:
         config = dict(cases=quick_cases, threads=(1,), min_time=0.001, repeats=3)
@@ -741,6 +761,10 @@ def main(argv=None):
     parser.add_argument("--compiled-only", action="store_true",
                         help="run only the compiled-kernel experiment (run_compiled_kernel; it "
                              "builds the C++ kernel); with --merge, keep the rest of the merged file")
+    parser.add_argument("--jax-only", action="store_true",
+                        help="run only the interleaved comparison with JAX (run_against_jax; the "
+                             "full suite runs it at its end when jax is installed); with --merge, "
+                             "keep the rest of the merged file")
     parser.add_argument("--torch-kernels-only", action="store_true",
                         help="run only the experiment on the kernels in torch ops "
                              "(run_torch_kernels); with --merge, keep the rest of the merged file")
@@ -749,6 +773,10 @@ def main(argv=None):
         return _main_experiment(opts, "compiled_kernel", run_compiled_kernel, [(8, 16), (100, 0)])
     if opts.torch_kernels_only:
         return _main_experiment(opts, "torch_kernels", run_torch_kernels, [(16, 4), (100, 0)])
+    if opts.jax_only:
+        report = _main_experiment(opts, "against_jax", run_against_jax, [(8, 16), (100, 0)])
+        print(format_against_jax(report["against_jax"]))
+        return report
     if opts.quick:
         config = dict(sizes=[8, 100], batches=[(16, 8)], dtypes=(torch.float64,), threads=(1,),
                       min_time=0.001, repeats=3)
@@ -767,7 +795,7 @@ def main(argv=None):
             merged = json.load(f)
         earlier = {key: merged.get(key, []) for key in earlier}
         kept = {k: v for k, v in merged.items()
-                if k not in earlier and k not in ("machine", "config", "targets", "jax_comparison",
+                if k not in earlier and k not in ("machine", "config", "targets",
                                                   "time_stepping_machine", "time_stepping_config")}
         if opts.steps_only:
             earlier["time_stepping"] = []
@@ -780,7 +808,6 @@ def main(argv=None):
         report = {"machine": merged.get("machine", machine) if opts.steps_only else machine,
                   "config": merged.get("config", this_config) if opts.steps_only else this_config,
                   "results": results, "targets": evaluate_targets(results),
-                  "jax_comparison": compare_with_jax(results),
                   "time_stepping": earlier["time_stepping"] + list(steps), **kept}
         if steps:
             report["time_stepping_machine"] = machine
@@ -799,8 +826,10 @@ def main(argv=None):
         compare = benchmark.Compare(measurements)
         compare.trim_significant_figures()
         compare.print()
-    if report["jax_comparison"]:
-        print(format_jax_table(report["jax_comparison"]))
+    if not opts.no_jax and not opts.steps_only and _jax() is not None:
+        report = _main_experiment(opts, "against_jax", run_against_jax, [(8, 16), (100, 0)],
+                                  merge=opts.out)
+        print(format_against_jax(report["against_jax"]))
     if report["time_stepping"]:
         print("\n" + format_steps_table(report["time_stepping"]))
     print(f"\nwrote {opts.out}")

@@ -4,7 +4,11 @@ Design (chapter 7 explains it; chapter 5 shows the traps it gets around)::
 
     tridiagonal_solve(lower, diag, upper, rhs)      validate + broadcast (one place)
         |-- nothing observes the call (no grad, no transform, no mode): the kernel, directly
-        |-- eager:     _TridiagonalSolve.apply      autograd.Function: backward, jvp, vmap
+        |-- eager:     _apply                       autograd.Function: backward, jvp, vmap
+        |              (_TridiagonalSolve under torch.func; else _PlainTridiagonalSolve, the
+        |              same without setup_context, which Function.apply binds with inspect)
+        |-- eager reverse mode, C++ kernel loaded: tridiag_tutorial_cpp::solve_autograd,
+        |              whose backward runs in C++ (csrc/tridiag_autograd.cpp)
         |-- compiling: torch.ops.tridiag_tutorial.solve
         |                                           library op: fake kernel (via solve_kernel),
         |                                           an Autograd kernel that works under
@@ -267,8 +271,11 @@ def _apply(*args):
 
 
 def _differentiable_solve(lower, diag, upper, rhs):
-    """The differentiable solve of validated inputs, on the current kernel choice."""
-    return _apply(lower, diag, upper, rhs, None, None, "N", _torch_kernel_on_cpu())
+    """The differentiable solve of validated inputs through :class:`_TridiagonalSolve` (the
+    Function that ``torch.func`` needs), on the current kernel choice; chapter 7 compiles it to
+    show what Dynamo does with such a Function."""
+    return _TridiagonalSolve.apply(lower, diag, upper, rhs, None, None, "N",
+                                   _torch_kernel_on_cpu())
 
 
 _FORWARD_OVER_FORWARD = (
