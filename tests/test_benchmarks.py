@@ -95,6 +95,22 @@ def test_time_is_torch_utils_benchmark_at_the_current_thread_count():
     assert min(m.times) <= m.median <= max(m.times)
 
 
+def test_merge_without_steps_keeps_the_time_stepping_rows_and_their_machine(tmp_path):
+    old = tmp_path / "old.json"
+    row = dict(kernel="LAPACK", dtype="float64", threads=1, n=8, batch=0, k=1, steps=20,
+               mode="forward", factor_once_seconds=1.0, every_step_seconds=2.0, ratio=0.5)
+    old.write_text(json.dumps({"results": [], "time_stepping": [row],
+                               "time_stepping_machine": {"cpu": "x"},
+                               "time_stepping_config": {"steps": "20"}}))
+    out = tmp_path / "new.json"
+    benchmarks.main(["--quick", "--no-compile", "--no-steps", "--no-jax", "--no-cpp",
+                     "--merge", str(old), "--out", str(out)])
+    saved = json.loads(out.read_text())
+    assert saved["time_stepping"] == [row]
+    assert saved["time_stepping_machine"] == {"cpu": "x"}
+    assert saved["time_stepping_config"] == {"steps": "20"}
+
+
 def test_merge_replaces_the_rows_of_cases_measured_again(tmp_path):
     quick_case = dict(impl="dgtsv (raw LAPACK)", mode="forward", compiled=False, n=8, batch=0,
                       dtype="float64", threads=1, seconds=123.0)

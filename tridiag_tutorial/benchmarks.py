@@ -816,6 +816,10 @@ def main(argv=None):
         if steps:
             report["time_stepping_machine"] = machine
             report["time_stepping_config"] = {k: str(v) for k, v in steps_config.items()}
+        else:  # the merged file's time-stepping rows stay, and so does what describes them
+            for key in ("time_stepping_machine", "time_stepping_config"):
+                if key in merged:
+                    report[key] = merged[key]
         with open(opts.out, "w") as f:
             json.dump(report, f, indent=1)
         return report
