@@ -7,6 +7,7 @@ from torch.autograd import gradcheck, gradgradcheck
 
 from tridiag_tutorial import (
     dense_solve,
+    kernels,
     lapack,
     torch_kernel,
     tridiagonal_lu_factor,
@@ -252,3 +253,28 @@ def test_cuda_gradients_and_compile():
     grads = torch.autograd.grad(torch.compile(loss, fullgraph=True)(*args), args)
     for g, e in zip(grads, torch.autograd.grad(loss(*args), args)):
         assert_close(g, e)
+
+
+@pytest.mark.parametrize("dtype", ALL_DTYPES, ids=str)
+def test_small_backward_runs_on_numpy_views_and_large_on_torch(monkeypatch, dtype):
+    """A first-order backward on LAPACK without factors runs on NumPy views up to
+    kernels.NUMPY_BACKWARD_MAX_ELEMENTS elements, on torch tensors above; both match dense."""
+    from tridiag_tutorial import ops
+
+    calls = []
+    real = ops._numpy_backward
+    monkeypatch.setattr(ops, "_numpy_backward", lambda *a: calls.append(1) or real(*a))
+    limit = kernels.NUMPY_BACKWARD_MAX_ELEMENTS
+    for n, batch, expected in ((7, (3,), [1]), (limit // 2 + 1, (2,), [])):
+        calls.clear()
+        args = make_system(n, batch, dtype=dtype, requires_grad=True, seed=n)
+        grads = torch.autograd.grad(tridiagonal_solve(*args).abs().pow(2).sum(), args)
+        assert calls == expected
+        if n < 100:
+            assert_grads_match_dense(grads, args, lambda x: x.abs().pow(2).sum(), dtype)
+        else:  # too large for the dense reference: the other kernel's backward must agree
+            with torch_kernel_on_cpu():
+                expected_grads = torch.autograd.grad(
+                    tridiagonal_solve(*args).abs().pow(2).sum(), args)
+            for g, e in zip(grads, expected_grads):
+                assert_close(g, e, dtype)

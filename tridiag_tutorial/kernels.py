@@ -180,8 +180,8 @@ def numpy_backward_pays(grad_x: torch.Tensor, lu, torch_kernel: bool) -> bool:
 
 
 def numpy_solve(lower, diag, upper, rhs):
-    """:func:`tridiag_tutorial.lapack.solve` of NumPy arrays, as a torch-free ``solve`` for the
-    rules of :mod:`tridiag_tutorial.rules` (see :func:`numpy_backward_pays`)."""
+    """:func:`tridiag_tutorial.lapack.solve` of NumPy arrays: the solve of a backward that runs
+    on NumPy views (see :func:`numpy_backward_pays`)."""
     return lapack.solve(lower, diag, upper, rhs)
 
 

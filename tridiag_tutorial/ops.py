@@ -72,6 +72,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
+import numpy as np
 import torch
 
 from . import _compat, compiled, kernels, rules
@@ -161,7 +162,7 @@ def _band_grads_and_rhs(solve, needs, lower, diag, upper, x, grad_x):
     (``ctx.needs_input_grad`` of the bands); ``v = A^{-H} g`` is the gradient of ``rhs``."""
     if any(needs):
         return rules.solve_backward(solve, lower, diag, upper, x, grad_x)
-    v = solve(*rules.adjoint_bands(lower, diag, upper), grad_x)
+    v = solve(upper.conj(), diag.conj(), lower.conj(), grad_x)
     return None, None, None, v
 
 
@@ -181,9 +182,12 @@ def _numpy_backward(ctx, saved, grad_x):
     factors (see :func:`tridiag_tutorial.kernels.numpy_backward_pays`): the same rules, run on
     NumPy arrays, whose operations cost a fraction of a microsecond where a torch operation
     costs a few."""
-    arrays = kernels._numpy(*saved[:4], grad_x)
-    grads = _band_grads_and_rhs(kernels.numpy_solve, ctx.needs_input_grad[:3], *arrays)
-    return (*(None if g is None else torch.from_numpy(g) for g in grads),
+    lower, diag, upper, x, g = kernels._numpy(*saved[:4], grad_x)
+    if np.iscomplexobj(x):  # NumPy's conj copies even a real array: only where it means something
+        lower, diag, upper = lower.conj(), diag.conj(), upper.conj()
+    v = kernels.numpy_solve(upper, diag, lower, g)  # the bands of A^H
+    grads = rules.band_gradients(v, x) if any(ctx.needs_input_grad[:3]) else (None,) * 3
+    return (*(None if t is None else torch.from_numpy(t) for t in (*grads, v)),
             None, None, None, None)
 
 

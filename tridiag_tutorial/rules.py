@@ -29,26 +29,11 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-import numpy as np
 import torch
 
-__all__ = ["adjoint_bands", "tridiag_matmul", "band_gradients", "solve_backward", "solve_jvp"]
+__all__ = ["tridiag_matmul", "band_gradients", "solve_backward", "solve_jvp"]
 
 Solve = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
-
-
-def _conj(t):
-    """``t.conj()``. The rules also run on NumPy arrays (a small backward on LAPACK, see
-    :func:`tridiag_tutorial.kernels.numpy_backward_pays`), where ``conj`` copies even a real
-    array, so a real array is returned as it is (torch's ``conj`` of a real tensor is ``t``)."""
-    if isinstance(t, np.ndarray) and t.dtype.kind != "c":
-        return t
-    return t.conj()
-
-
-def adjoint_bands(lower, diag, upper):
-    """The bands of ``A^H``: ``(upper.conj(), diag.conj(), lower.conj())``."""
-    return _conj(upper), _conj(diag), _conj(lower)
 
 
 def tridiag_matmul(lower, diag, upper, x: torch.Tensor) -> torch.Tensor:
@@ -70,7 +55,7 @@ def band_gradients(v: torch.Tensor, x: torch.Tensor):
     ``grad_diag[i] = -sum_k v[i, k] conj(x[i, k])``,
     ``grad_upper[i] = -sum_k v[i, k] conj(x[i+1, k])`` (entry ``(i, i+1)``).
     """
-    minus_v, xc = -v, _conj(x)  # negate once, not three times: these are O(n) memory passes
+    minus_v, xc = -v, x.conj()  # negate once, not three times: these are O(n) memory passes
     if v.shape[-1] == 1:  # one column: nothing to sum, and four passes over memory instead of nine
         minus_v, xc = minus_v.squeeze(-1), xc.squeeze(-1)
         return minus_v[..., 1:] * xc[..., :-1], minus_v * xc, minus_v[..., :-1] * xc[..., 1:]
@@ -82,7 +67,7 @@ def band_gradients(v: torch.Tensor, x: torch.Tensor):
 
 def solve_backward(solve: Solve, lower, diag, upper, x, grad_x):
     """Reverse mode: ``(grad_lower, grad_diag, grad_upper, grad_rhs)`` from ``grad_x = dL/dx``."""
-    v = solve(*adjoint_bands(lower, diag, upper), grad_x)  # v = A^{-H} g
+    v = solve(upper.conj(), diag.conj(), lower.conj(), grad_x)  # v = A^{-H} g
     grad_lower, grad_diag, grad_upper = band_gradients(v, x)
     return grad_lower, grad_diag, grad_upper, v
 
