@@ -6,9 +6,10 @@ Run::
     python -m tridiag_tutorial.benchmarks --quick          # tiny sizes: a smoke test
     python -m tridiag_tutorial.benchmarks --out results.json
 
-With ``--min-time 0.1 --repeats 4``, the settings of the committed results, the full suite took
-about 17 minutes on a 2-core machine (10 for the main rows, 7 for the comparison with JAX); the
-defaults (``--min-time 0.2 --repeats 7``) give each case 3.5 times that timing budget.
+With ``--min-time 0.1 --repeats 4``, the settings of the committed results, the main rows and the
+comparison with JAX took about 17 minutes on a 2-core machine (10 and 7; the time-stepping
+experiment comes on top); the defaults (``--min-time 0.2 --repeats 7``) give each case 3.5 times
+that timing budget.
 
 Method: every figure is a median measured with PyTorch's own ``torch.utils.benchmark``:
 ``Timer.blocked_autorange`` runs the call in blocks (as many calls per block as make the timer's
