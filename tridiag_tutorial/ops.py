@@ -72,7 +72,6 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-import numpy as np
 import torch
 
 from . import _compat, compiled, kernels, rules
@@ -183,9 +182,8 @@ def _numpy_backward(ctx, saved, grad_x):
     NumPy arrays, whose operations cost a fraction of a microsecond where a torch operation
     costs a few."""
     lower, diag, upper, x, g = kernels._numpy(*saved[:4], grad_x)
-    if np.iscomplexobj(x):  # NumPy's conj copies even a real array: only where it means something
-        lower, diag, upper = lower.conj(), diag.conj(), upper.conj()
-    v = kernels.numpy_solve(upper, diag, lower, g)  # the bands of A^H
+    # The bands of A^H (ndarray.conj() of a real array is the array itself, as in torch).
+    v = kernels.numpy_solve(upper.conj(), diag.conj(), lower.conj(), g)
     grads = rules.band_gradients(v, x) if any(ctx.needs_input_grad[:3]) else (None,) * 3
     return (*(None if t is None else torch.from_numpy(t) for t in (*grads, v)),
             None, None, None, None)
