@@ -184,6 +184,18 @@ def test_pure_torch_kernel_cases_run_no_lapack_forward_or_backward(monkeypatch):
             benchmarks._stepper(8, 4, torch.float64, 2, once, mode, kernel)()
 
 
+def run_merged_experiment(tmp_path, flag):
+    """Run ``--quick`` with ``flag`` merged into a file with one result row; that row must stay.
+    Returns the written report."""
+    old = tmp_path / "old.json"
+    old.write_text(json.dumps({"results": [{"kept": True}]}))
+    out = tmp_path / "new.json"
+    benchmarks.main([flag, "--quick", "--merge", str(old), "--out", str(out)])
+    saved = json.loads(out.read_text())
+    assert saved["results"] == [{"kept": True}]
+    return saved
+
+
 def test_quick_compiled_kernel_experiment(tmp_path):
     """--compiled-only builds the C++ kernel and times it beside raw dgtsv and the joined LAPACK
     solve (and JAX, when installed), merged into an existing results file."""
@@ -191,12 +203,8 @@ def test_quick_compiled_kernel_experiment(tmp_path):
 
     if compiled._missing_tools():
         pytest.skip(f"no C++ tool chain here: {compiled._missing_tools()}")
-    old = tmp_path / "old.json"
-    old.write_text(json.dumps({"results": [{"kept": True}]}))
-    out = tmp_path / "new.json"
-    benchmarks.main(["--compiled-only", "--quick", "--merge", str(old), "--out", str(out)])
-    saved = json.loads(out.read_text())
-    assert saved["results"] == [{"kept": True}] and saved["compiled_kernel_machine"]
+    saved = run_merged_experiment(tmp_path, "--compiled-only")
+    assert saved["compiled_kernel_machine"]
     rows = saved["compiled_kernel"]
     assert {"compiled kernel", "dgtsv (raw LAPACK)", "lapack.solve (joined batch)"} <= {
         r["impl"] for r in rows}
@@ -221,12 +229,8 @@ def test_pure_torch_kernel_cases_time_the_sequential_kernel(monkeypatch):
 def test_quick_torch_kernels_experiment(tmp_path):
     """--torch-kernels-only times the sequential and partitioned kernels beside dgtsv, counts
     their operations, and merges into an existing results file."""
-    old = tmp_path / "old.json"
-    old.write_text(json.dumps({"results": [{"kept": True}]}))
-    out = tmp_path / "new.json"
-    benchmarks.main(["--torch-kernels-only", "--quick", "--merge", str(old), "--out", str(out)])
-    saved = json.loads(out.read_text())
-    assert saved["results"] == [{"kept": True}] and saved["torch_kernels_machine"]
+    saved = run_merged_experiment(tmp_path, "--torch-kernels-only")
+    assert saved["torch_kernels_machine"]
     rows = {(r["impl"], r["n"], r["batch"]): r for r in saved["torch_kernels"]}
     assert set(rows) == {(impl, n, batch) for n, batch in [(16, 4), (100, 0)] for impl in (
         "sequential torch kernel", "partitioned torch kernel", "dgtsv (raw LAPACK)")}

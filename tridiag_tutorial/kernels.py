@@ -181,12 +181,6 @@ def numpy_backward_pays(grad_x: torch.Tensor, lu, torch_kernel: bool) -> bool:
             and lapack_solves(grad_x, torch_kernel))
 
 
-def numpy_solve(lower, diag, upper, rhs):
-    """:func:`tridiag_tutorial.lapack.solve` of NumPy arrays: the solve of a backward that runs
-    on NumPy views (see :func:`numpy_backward_pays`)."""
-    return lapack.solve(lower, diag, upper, rhs)
-
-
 def factor(lower, diag, upper, torch_kernel: bool):
     """``(lu, pivots)``: ``(*B, 4, n)`` and ``(*B, n)`` int32 (see :func:`tridiag_tutorial.lapack.factor`)."""
     if lapack_for(diag, torch_kernel):

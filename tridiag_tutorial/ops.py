@@ -74,7 +74,7 @@ from typing import NamedTuple
 
 import torch
 
-from . import _compat, compiled, kernels, rules
+from . import _compat, compiled, kernels, lapack, rules
 from ._validation import validate, validate_bands
 from .custom_op import _vmap_rule
 from .kernels import _torch_kernel_on_cpu
@@ -180,13 +180,10 @@ def _numpy_backward(ctx, saved, grad_x):
     """:func:`_backward` on NumPy views, for a small first-order backward on LAPACK without
     factors (see :func:`tridiag_tutorial.kernels.numpy_backward_pays`): the same rules, run on
     NumPy arrays, whose operations cost a fraction of a microsecond where a torch operation
-    costs a few."""
-    lower, diag, upper, x, g = kernels._numpy(*saved[:4], grad_x)
-    # The bands of A^H (ndarray.conj() of a real array is the array itself, as in torch).
-    v = kernels.numpy_solve(upper.conj(), diag.conj(), lower.conj(), g)
-    grads = rules.band_gradients(v, x) if any(ctx.needs_input_grad[:3]) else (None,) * 3
-    return (*(None if t is None else torch.from_numpy(t) for t in (*grads, v)),
-            None, None, None, None)
+    costs a few (``ndarray.conj()`` of a real array is the array itself, as in torch)."""
+    grads = _band_grads_and_rhs(lapack.solve, ctx.needs_input_grad[:3],
+                                *kernels._numpy(*saved[:4], grad_x))
+    return (*(None if t is None else torch.from_numpy(t) for t in grads), None, None, None, None)
 
 
 def _jvp(solve, ctx, tangents):
