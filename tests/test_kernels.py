@@ -1,5 +1,7 @@
 """The kernels: joined-batch LAPACK, LU factors, the pure-torch kernel, singular/non-finite."""
 
+import contextlib
+
 import numpy as np
 import pytest
 import torch
@@ -278,3 +280,49 @@ def test_small_backward_runs_on_numpy_views_and_large_on_torch(monkeypatch, dtyp
                     tridiagonal_solve(*args).abs().pow(2).sum(), args)
             for g, e in zip(grads, expected_grads):
                 assert_close(g, e, dtype)
+
+
+# ---- Chapter 5's op: one kernel per device (torch.library's register_kernel) ----------------
+def test_chapter5_op_registers_a_default_and_a_cpu_kernel():
+    """The op's CPU kernel is its own registration; every other device gets the default one."""
+    name = "tridiag_tutorial::tridiagonal_solve"
+    has = torch._C._dispatch_has_kernel_for_dispatch_key
+    assert has(name, "CPU") and has(name, "CompositeExplicitAutograd")
+    assert not has(name, "CUDA")  # CUDA falls through to the default (CompositeExplicitAutograd)
+
+
+@pytest.mark.parametrize("inside_block", [False, True])
+def test_chapter5_op_cpu_kernel_runs_lapack_unless_torch_kernel_on_cpu(monkeypatch, inside_block):
+    from tridiag_tutorial import custom_op
+
+    seen = []
+    original = kernels.solve
+    monkeypatch.setattr(kernels, "solve",
+                        lambda *a: seen.append(a[7]) or original(*a))
+    lower, diag, upper, rhs = make_system(7, (3,), 2, seed=4)
+    with torch_kernel_on_cpu() if inside_block else contextlib.nullcontext():
+        x = custom_op.tridiagonal_solve_op(lower, diag, upper, rhs)
+    assert seen == [inside_block]  # the torch_kernel argument: False means LAPACK on the CPU
+    assert_close(x, dense_solve(lower, diag, upper, rhs))
+
+
+def test_chapter5_op_default_kernel_solves_in_torch_ops(monkeypatch):
+    """The default kernel (the function under @custom_op, which CUDA and other devices get) asks
+    for the torch-op kernels, and its answer equals the dense solve; shown on CPU tensors."""
+    from tridiag_tutorial import custom_op
+
+    calls = count_calls(monkeypatch, lapack, ["solve"])
+    lower, diag, upper, rhs = make_system(9, (2,), 3, seed=5)
+    x = custom_op.tridiagonal_solve_op._init_fn(lower, diag, upper, rhs)
+    assert calls == []  # no LAPACK call
+    assert_close(x, dense_solve(lower, diag, upper, rhs))
+
+
+@CUDA
+def test_chapter5_op_on_cuda_uses_the_default_kernel():
+    from tridiag_tutorial import custom_op
+
+    lower, diag, upper, rhs = (t.cuda() for t in make_system(9, (2,), 3, seed=6))
+    x = custom_op.tridiagonal_solve_op(lower, diag, upper, rhs)
+    assert x.device.type == "cuda"
+    assert_close(x.cpu(), dense_solve(*(t.cpu() for t in (lower, diag, upper, rhs))))

@@ -29,18 +29,26 @@ from .kernels import torch_kernel_on_cpu as torch_kernel_on_cpu  # where chapter
 __all__ = ["tridiagonal_solve_op", "tridiagonal_solve_custom_op", "torch_kernel_on_cpu"]
 
 
-# The kernels and the choice between them live in tridiag_tutorial.kernels.
-def _solve_kernel(lower, diag, upper, rhs):
-    """The kernel of the current choice: LAPACK ``?gtsv`` on CPU (or the compiled kernel, once
-    loaded, where it measured faster), the pure-torch kernel with the same pivoting elsewhere."""
-    return kernels.solve(lower, diag, upper, rhs, None, None, "N", kernels._torch_kernel_on_cpu())
-
-
+# One kernel per device, the torch.library way: the function under @custom_op is the default
+# kernel, for every device that has none of its own (CUDA, MPS, XPU, ...), and register_kernel
+# adds the CPU one; the dispatcher picks by the inputs' device. The kernels themselves live in
+# tridiag_tutorial.kernels.
 @torch.library.custom_op("tridiag_tutorial::tridiagonal_solve", mutates_args=())
 def tridiagonal_solve_op(lower: torch.Tensor, diag: torch.Tensor, upper: torch.Tensor,
                          rhs: torch.Tensor) -> torch.Tensor:
-    """``x = A^{-1} rhs`` for inputs already validated and broadcast; rhs is ``(*B, n, k)``."""
-    return _solve_kernel(lower, diag, upper, rhs)
+    """``x = A^{-1} rhs`` for inputs already validated and broadcast; rhs is ``(*B, n, k)``.
+
+    This default kernel solves in torch ops (the pure-torch kernel with LAPACK's pivoting, or the
+    partitioned one for large ``n``), so it runs on any device."""
+    return kernels.solve(lower, diag, upper, rhs, None, None, "N", True)
+
+
+@tridiagonal_solve_op.register_kernel("cpu")
+def _solve_cpu(lower, diag, upper, rhs):
+    """The CPU kernel: LAPACK ``?gtsv`` (or the compiled kernel, once loaded, where it measured
+    faster); inside :func:`torch_kernel_on_cpu`, the default kernel's torch ops instead, so that
+    a machine without a GPU can run the code that other devices run."""
+    return kernels.solve(lower, diag, upper, rhs, None, None, "N", kernels._torch_kernel_on_cpu())
 
 
 @tridiagonal_solve_op.register_fake
