@@ -9,7 +9,9 @@ To PyTorch the op is one opaque node with a schema. What makes it a first-class 
   C-ordered (chapter 5 shows ``opcheck`` catching that);
 - ``register_autograd``: ``setup_context`` saves what the backward needs, and the backward calls the
   op itself on ``A^H`` (:func:`tridiag_tutorial.rules.solve_backward`), so double backward works;
-- ``register_vmap``: a batch rule, since the kernel handles any number of batch dimensions.
+- ``register_vmap``: a batch rule, since the kernel handles any number of batch dimensions;
+- ``register_kernel``: one kernel per device. The function under ``@custom_op`` is the default
+  kernel (torch ops, so any device); ``register_kernel("cpu")`` gives CPU tensors LAPACK.
 
 :func:`tridiagonal_solve_custom_op` is the chapter's version: validation, then the op. It compiles
 with ``fullgraph=True`` and passes ``opcheck``, but on torch 2.13 ``torch.func.grad`` raises on it
