@@ -89,8 +89,11 @@ def timing_asserts(cells):
     cell: names bound by a statement that calls a timer (a clock, or a function of the notebook
     whose body calls one), and names computed from those. A cell is flagged when an ``assert``
     reads such a name, or when a cell that asserts lets such a name steer it (an ``if`` or
-    ``while`` test: "measure again until it is fast enough, else fail")."""
-    timed, timer_functions, found = set(), set(), []
+    ``while`` test: "measure again until it is fast enough, else fail"). A function whose body
+    reads a measured name counts as measured itself (``assert ratio(n) > 1`` with ``ratio``
+    reading the timings), and a call of a function that asserts, with a measured argument, counts
+    as an assert (``check_claims(timings)``)."""
+    timed, timer_functions, asserting_functions, found = set(), set(), set(), []
     for index, cell in enumerate(cells):
         if cell["cell_type"] != "code":
             continue
@@ -105,6 +108,10 @@ def timing_asserts(cells):
                 body = ast.Module(body=node.body, type_ignores=[])
                 if TIMERS.search(ast.unparse(body)) or _calls(body) & timer_functions:
                     timer_functions.add(node.name)
+                if _names(body) & timed:  # a function of measured values: its result is one too
+                    timed.add(node.name)
+                if any(isinstance(n, ast.Assert) for n in ast.walk(body)):
+                    asserting_functions.add(node.name)
         asserts, steering = False, set()
         flagged = False
         for stmt in _statements(tree.body):
@@ -115,6 +122,8 @@ def timing_asserts(cells):
                 steering |= _names(stmt.test)
             elif isinstance(stmt, (ast.Assign, ast.AugAssign, ast.AnnAssign, ast.Expr)):
                 value = stmt.value if stmt.value is not None else stmt
+                # a function that asserts, called on measured values
+                flagged |= bool(_calls(value) & asserting_functions and _names(value) & timed)
                 if (TIMERS.search(ast.unparse(value)) or _calls(value) & timer_functions
                         or _names(value) & timed):
                     timed |= _bound_names(stmt)

@@ -57,6 +57,15 @@ def code(source):
       "def time_steps():\n    return {'a': rounds()}", "step = time_steps()",
       "for attempt in range(3):\n    if step['a'] > 1.25:\n        break\n    assert attempt < 2"],
      [3]),
+    # an assert on a function that reads the timings (ratio() of a table measured earlier)
+    (["timings = {}\nfor n in (1, 2):\n    timings[n] = timeit.timeit(f, number=3)",
+      "def ratio(n):\n    return timings[n] / timings[1]\n\n\nassert ratio(2) > 1"], [1]),
+    # a function that asserts, called on the timings
+    (["table = {'a': time.perf_counter()}",
+      "def check_claims(t):\n    assert t['a'] > 1\n\n\ncheck_claims(table)"], [1]),
+    # a function that asserts, called on data: fine
+    (["table = {'a': time.perf_counter()}",
+      "def check_claims(t):\n    assert t['a'] > 1\n\n\ncheck_claims({'a': 2})"], []),
     # timing printed, an unrelated assert: fine
     (["t = time.perf_counter()", "print(t)\nassert 1 + 1 == 2"], []),
     # a timed name bound again to data before the assert: fine
