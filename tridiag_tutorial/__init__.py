@@ -7,7 +7,7 @@ The public face is :func:`tridiagonal_solve`, and :func:`tridiagonal_lu_factor` 
 - :mod:`tridiag_tutorial.rules`: the backward and forward-mode formulas (chapter 3);
 - :mod:`tridiag_tutorial.reference`: dense references for tests and chapters;
 - :mod:`tridiag_tutorial.kernels`: which kernel runs (LAPACK, compiled C++, pure torch);
-- :mod:`tridiag_tutorial.compiled`: the optional C++ kernel, built by ``compiled.load()`` (chapter 10);
+- :mod:`tridiag_tutorial.compiled`: the optional C++ kernel, built by ``compiled.load()`` (chapter 12);
 - :mod:`tridiag_tutorial.ops`: the final op.
 """
 

@@ -112,7 +112,7 @@ def cpp_autograd_pays(rhs: torch.Tensor, lu, torch_kernel: bool) -> bool:
     """Whether a differentiable CPU solve without factors (``lu is None``) that only reverse-mode
     autograd observes goes to :func:`tridiag_tutorial.compiled.autograd_op`, whose backward runs
     in C++: wherever the compiled kernel takes the forward (:func:`compiled_pays`). Measured
-    (``python -m tridiag_tutorial.benchmarks``, the committed ``against_jax`` rows that chapter 9
+    (``python -m tridiag_tutorial.benchmarks``, the committed ``against_jax`` rows that chapter 11
     renders; float32 and float64, one and two threads), forward + backward took 0.28 to 0.77 of
     the time of the same call on LAPACK with the Python backward, in each of the 20 cases where
     the compiled kernel solves (n = 100 and 1000, and three batch shapes)."""

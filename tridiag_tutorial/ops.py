@@ -1,6 +1,6 @@
 r"""The public op, :func:`tridiagonal_solve`: the result of the whole tutorial.
 
-Design (chapter 7 explains it; chapter 5 shows the traps it gets around)::
+Design (chapter 8 explains it; chapter 5 shows the traps it gets around)::
 
     tridiagonal_solve(lower, diag, upper, rhs)      validate + broadcast (one place)
         |-- nothing observes the call (no grad, no transform, no mode): the kernel, directly
@@ -34,7 +34,7 @@ so ``torch.func.grad``, ``vjp``, ``jacrev``, ``jvp``, ``jacfwd``, ``vmap`` and f
 numbers all work inside a compiled function. Both paths use the rules of
 :mod:`tridiag_tutorial.rules`.
 
-What does not compose, and raises instead of answering wrongly (chapter 7's support table):
+What does not compose, and raises instead of answering wrongly (chapter 8's support table):
 
 - nested differentiation (``hessian``, ``jacfwd(jacrev(f))``, ``grad(grad(f))``) *inside*
   ``torch.compile``: a single-level Function differentiates at one level only. The error says so
@@ -59,7 +59,7 @@ public function factors ``A = LU`` once (:func:`tridiagonal_lu_factor`'s op) and
 the same factors. With LAPACK it does not pay: ``?gtsv`` factors and solves in one sweep, so
 ``?gttrf`` + two ``?gttrs`` do nearly the work of two ``?gtsv``, and over a whole forward and
 backward keeping the factors was slower in most cases measured and at best about 10% faster
-(chapters 7 and 9 show the measurements); the backward calls ``?gtsv`` with ``A^H``.
+(chapter 11 shows the measurements); the backward calls ``?gtsv`` with ``A^H``.
 
 Factorization as a feature: :func:`tridiagonal_lu_factor` returns :class:`TridiagonalFactors`, and
 :func:`tridiagonal_lu_solve` solves with ``A``, ``A^T`` or ``A^H`` from them, for a matrix that
@@ -246,7 +246,7 @@ class _PlainTridiagonalSolve(torch.autograd.Function):
     """:class:`_TridiagonalSolve` for the calls that no ``torch.func`` transform sees: the same
     forward, backward and ``jvp``, with the old-style ``forward(ctx, ...)`` instead of
     ``setup_context``. ``Function.apply`` binds the arguments of a Function that defines
-    ``setup_context`` to its signature with :mod:`inspect` on every call (chapter 9 measures
+    ``setup_context`` to its signature with :mod:`inspect` on every call (chapter 11 measures
     it, for two Functions that do nothing: several times LAPACK's own time at n = 100), and
     ``torch.func`` accepts only such Functions; so :func:`_apply` picks this one when no
     transform is active."""
@@ -272,7 +272,7 @@ def _apply(*args):
 
 def _differentiable_solve(lower, diag, upper, rhs):
     """The differentiable solve of validated inputs through :class:`_TridiagonalSolve` (the
-    Function that ``torch.func`` needs), on the current kernel choice; chapter 7 compiles it to
+    Function that ``torch.func`` needs), on the current kernel choice; chapter 8 compiles it to
     show what Dynamo does with such a Function."""
     return _TridiagonalSolve.apply(lower, diag, upper, rhs, None, None, "N",
                                    _torch_kernel_on_cpu())
