@@ -8,6 +8,7 @@ import torch
 from torch.autograd import gradcheck, gradgradcheck
 
 from tridiag_tutorial import (
+    custom_op,
     dense_solve,
     kernels,
     lapack,
@@ -293,8 +294,6 @@ def test_chapter5_op_registers_a_default_and_a_cpu_kernel():
 
 @pytest.mark.parametrize("inside_block", [False, True])
 def test_chapter5_op_cpu_kernel_runs_lapack_unless_torch_kernel_on_cpu(monkeypatch, inside_block):
-    from tridiag_tutorial import custom_op
-
     seen = []
     original = kernels.solve
     monkeypatch.setattr(kernels, "solve",
@@ -309,8 +308,6 @@ def test_chapter5_op_cpu_kernel_runs_lapack_unless_torch_kernel_on_cpu(monkeypat
 def test_chapter5_op_default_kernel_solves_in_torch_ops(monkeypatch):
     """The default kernel (the function under @custom_op, which CUDA and other devices get) asks
     for the torch-op kernels, and its answer equals the dense solve; shown on CPU tensors."""
-    from tridiag_tutorial import custom_op
-
     calls = count_calls(monkeypatch, lapack, ["solve"])
     lower, diag, upper, rhs = make_system(9, (2,), 3, seed=5)
     x = custom_op.tridiagonal_solve_op._init_fn(lower, diag, upper, rhs)
@@ -320,8 +317,6 @@ def test_chapter5_op_default_kernel_solves_in_torch_ops(monkeypatch):
 
 @CUDA
 def test_chapter5_op_on_cuda_uses_the_default_kernel():
-    from tridiag_tutorial import custom_op
-
     lower, diag, upper, rhs = (t.cuda() for t in make_system(9, (2,), 3, seed=6))
     x = custom_op.tridiagonal_solve_op(lower, diag, upper, rhs)
     assert x.device.type == "cuda"
