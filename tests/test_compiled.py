@@ -1,23 +1,30 @@
 """The compiled C++ kernel (tridiag_tutorial.compiled): dense reference, LAPACK, errors, opcheck."""
 
+import shutil
+
+import numpy as np
 import pytest
 import torch
+from scipy.linalg import lapack as scipy_lapack
 from torch.autograd import gradcheck, gradgradcheck
 from torch.func import grad, hessian, jacfwd, vmap
 
 from tridiag_tutorial import compiled, dense_solve, lapack, tridiagonal_solve
 
-from conftest import ALL_DTYPES, assert_close, assert_grads_match_dense, make_system
+from conftest import (
+    ALL_DTYPES,
+    assert_close,
+    assert_grads_match_dense,
+    load_compiled_or_skip,
+    make_system,
+)
 
 LANES = {torch.float32: 16, torch.complex64: 16, torch.float64: 8, torch.complex128: 8}
 
 
 @pytest.fixture(scope="module")
 def op():
-    try:
-        return compiled.load()
-    except RuntimeError as err:  # no C++ compiler or no ninja: LAPACK stays the default
-        pytest.skip(f"the C++ kernel cannot be built here: {err}")
+    return load_compiled_or_skip()
 
 
 def as_matrix_rhs(rhs, k):
@@ -403,3 +410,337 @@ def test_bad_input_to_the_raw_op_names_the_problem(op):
         op(lower.float(), diag, upper, rhs)
     with pytest.raises(RuntimeError):  # integer tensors: no kernel for them
         op(*(t.long() for t in (lower, diag, upper, rhs)))
+
+
+# ----------------------------------------------------------------------------------------------
+# LAPACK's decisions on non-finite and singular input (issue 23): which systems raise, which
+# pivot is named, where NaN goes; bit for bit against raw ?gtsv per system and lapack.solve.
+# ----------------------------------------------------------------------------------------------
+RAW_GTSV = {torch.float32: scipy_lapack.sgtsv, torch.float64: scipy_lapack.dgtsv,
+            torch.complex64: scipy_lapack.cgtsv, torch.complex128: scipy_lapack.zgtsv}
+NAN, INF = float("nan"), float("inf")
+
+
+def singular_message(info, system, batch):
+    msg = f"the tridiagonal matrix is singular: pivot U[{info - 1}, {info - 1}] is exactly zero"
+    if batch:
+        index = ", ".join(str(int(i)) for i in np.unravel_index(system, batch))
+        msg += f", in batch element ({index}{',' if len(batch) == 1 else ''})"
+    return msg
+
+
+def raw_gtsv_outcome(lower, diag, upper, rhs):
+    """``(x, None)`` or ``(None, message)``: SciPy's ?gtsv called on each system in turn (n >= 2),
+    the first system with info > 0 named, as the package's message does."""
+    batch = tuple(diag.shape[:-1])
+    flat = [t.reshape(-1, *t.shape[len(batch):]).numpy() for t in (lower, diag, upper, rhs)]
+    xs = []
+    for s in range(flat[1].shape[0]):
+        *_, x, info = RAW_GTSV[diag.dtype](*(a[s] for a in flat))
+        if info > 0:
+            return None, singular_message(info, s, batch)
+        xs.append(torch.from_numpy(np.ascontiguousarray(x)))
+    return torch.stack(xs).reshape(rhs.shape), None
+
+
+def outcome(solve, args):
+    try:
+        return solve(*args), None
+    except torch.linalg.LinAlgError as err:
+        return None, str(err)
+
+
+def assert_same_outcome(got, expected, label):
+    assert got[1] == expected[1], label
+    if expected[1] is None:
+        torch.testing.assert_close(got[0], expected[0], rtol=0, atol=0, equal_nan=True,
+                                   msg=lambda m: f"{label}: {m}")
+
+
+def non_finite_and_singular_families(n):
+    """(name, edits) with edits (band, row, value) made to one system: NaN or infinity in every
+    band and the rhs at the first, a middle and the last row; NaN on the diagonal above a zero
+    subdiagonal entry (dgtsv's unchecked interchange branch) and the reverse; a zero first column,
+    a zero row, a zero last row, zero diagonals (interchanges everywhere), and rows r + 1 = c row r
+    (rank-deficient; c = 0.5 reaches the zero pivot without an interchange, c = 2 with one)."""
+    mid = n // 2
+    families = []
+    for value in (NAN, INF, -INF):
+        for band, last in (("lower", n - 2), ("diag", n - 1), ("upper", n - 2), ("rhs", n - 1)):
+            for row in sorted({0, min(mid, last), last}):
+                families.append((f"{band}[{row}] = {value}", [(band, row, value)]))
+    for row in sorted({0, min(mid, n - 2), n - 2}):
+        families.append((f"NaN diag[{row}] above zero lower", [("diag", row, NAN),
+                                                                ("lower", row, 0.0)]))
+        families.append((f"zero diag[{row}] above NaN lower", [("diag", row, 0.0),
+                                                                ("lower", row, NAN)]))
+    families.append(("zero first column", [("diag", 0, 0.0), ("lower", 0, 0.0)]))
+    if n > 2:
+        families.append((f"zero row {mid}", [("lower", mid - 1, 0.0), ("diag", mid, 0.0),
+                                             ("upper", mid, 0.0)]))
+    families.append(("zero last row", [("lower", n - 2, 0.0), ("diag", n - 1, 0.0)]))
+    families.append(("zero diagonal", [("diag", i, 0.0) for i in range(n)]))
+    for r in range(n - 1):
+        for c in (0.5, 2.0):
+            families.append((f"row {r + 1} = {c} row {r}", ("scaled", r, c)))
+    return families
+
+
+def apply_edits(args, system, edits):
+    lower, diag, upper, rhs = args
+    bands = {"lower": lower, "diag": diag, "upper": upper}
+    if edits[0] == "scaled":  # row r+1 = c * row r (exact in binary for c = 0.5 and 2)
+        _, r, c = edits
+        if r > 0:
+            lower[system, r - 1] = 0.0
+        lower[system, r] = c * diag[system, r]
+        diag[system, r + 1] = c * upper[system, r]
+        if r + 1 < upper.shape[-1]:
+            upper[system, r + 1] = 0.0
+        rhs[system, r + 1] = c * rhs[system, r]
+        return
+    for band, row, value in edits:
+        if band == "rhs":
+            rhs[system, row, 0] = value
+        else:
+            bands[band][system, row] = value
+
+
+@pytest.mark.parametrize("dtype", ALL_DTYPES, ids=str)
+@pytest.mark.parametrize("size", [1, 17])  # the W = 1 code; blocks of 8 / 16 and a tail block
+def test_lapack_decisions_on_non_finite_and_singular_input(op, dtype, size):
+    """For every family, one system of the batch is edited (the first, the third, the last) and
+    the rest are random: the kernel raises exactly when ?gtsv reports info > 0 for some system,
+    with the message naming the first such system and ?gtsv's pivot, and otherwise returns,
+    bit for bit and NaN for NaN, what ?gtsv returns for each system on its own and what the
+    package's LAPACK path (lapack.solve) returns."""
+    cases = 0
+    for n in (2, 7):
+        for name, edits in non_finite_and_singular_families(n):
+            for system in sorted({0, min(2, size - 1), size - 1}):
+                args = make_system(n, (size,), 2, dtype=dtype, seed=100 * n + system)
+                apply_edits(args, system, edits)
+                label = f"{dtype}, n={n}, batch {size}, system {system}: {name}"
+                expected = raw_gtsv_outcome(*args)
+                assert_same_outcome(outcome(op, args), expected, label)
+                assert_same_outcome(outcome(lapack_solve, args), expected, label + " (LAPACK)")
+                cases += 1
+    assert cases > 50
+
+
+@pytest.mark.parametrize("dtype", ALL_DTYPES, ids=str)
+@pytest.mark.parametrize("size", [1, 9, 17])
+def test_nan_over_zero_subdiagonal_stays_in_its_system(op, dtype, size):
+    """The probe's case: NaN on the diagonal above a zero subdiagonal entry in one system. ?gtsv
+    takes the interchange branch, divides by zero and returns NaN with info = 0; the other
+    systems are solved exactly. (The kernel used to raise "pivot U[0, 0] is exactly zero".)"""
+    lower, diag, upper, rhs = make_system(6, (size,), 3, dtype=dtype, seed=70 + size)
+    bad = size // 2
+    diag[bad, 0], lower[bad, 0] = NAN, 0.0
+    x = op(lower, diag, upper, rhs)
+    assert torch.isnan(x[bad]).any()  # all of it for real dtypes; row 0 for complex (zgtsv)
+    keep = [i for i in range(size) if i != bad]
+    if keep:
+        torch.testing.assert_close(x[keep], lapack_solve(lower[keep], diag[keep], upper[keep],
+                                                         rhs[keep]), rtol=0, atol=0)
+    torch.testing.assert_close(x, raw_gtsv_outcome(lower, diag, upper, rhs)[0], rtol=0, atol=0,
+                               equal_nan=True)
+
+
+@pytest.mark.parametrize("dtype", ALL_DTYPES, ids=str)
+@pytest.mark.parametrize("size", [4, 17])
+def test_nan_system_beside_a_singular_one(op, dtype, size):
+    """A NaN system (not singular by ?gtsv) before a singular one: the singular one is named. A
+    system singular before its NaN row is named itself, being first."""
+    for nan_system_singular, named in ((False, 3), (True, 0)):
+        args = make_system(7, (size,), 2, dtype=dtype, seed=80)
+        lower, diag, upper, rhs = args
+        diag[0, 3], lower[0, 3] = NAN, 0.0
+        if nan_system_singular:
+            diag[0, 0], lower[0, 0] = 0.0, 0.0
+        diag[3, 0], lower[3, 0] = 0.0, 0.0
+        expected = raw_gtsv_outcome(*args)
+        assert expected[1] == singular_message(1, named, (size,))
+        assert_same_outcome(outcome(op, args), expected, f"{dtype}, {size}")
+        assert_same_outcome(outcome(lapack_solve, args), expected, f"{dtype}, {size} (LAPACK)")
+
+
+# ----------------------------------------------------------------------------------------------
+# The C++ backward under batched gradients and vmap (issue 23): the ops have vmap rules
+# (compiled._register_vmap), and the backward leaves batched tensors to ATen operations.
+# ----------------------------------------------------------------------------------------------
+def on_lapack(f):
+    from tridiag_tutorial import kernels
+
+    with kernels.use_compiled(False):
+        return f()
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.complex128], ids=str)
+@pytest.mark.parametrize("batch", [(2,), (9,)], ids=str)
+def test_cpp_backward_under_batched_gradients(on_compiled, dtype, batch):
+    """is_grads_batched (also with create_graph), jacobian(vectorize=True) and
+    gradcheck(check_batched_grad=True) through the op whose backward is in C++, against the
+    LAPACK path. They raised "Cannot access data pointer of Tensor that doesn't have storage"."""
+    args = make_system(5, batch, 2, dtype=dtype, requires_grad=True, seed=90)
+    lower, diag, upper, rhs = args
+
+    def batched_grads(create_graph):
+        x = tridiagonal_solve(*args)
+        eye = torch.eye(x.numel(), dtype=dtype).reshape(-1, *x.shape)[:7]
+        return torch.autograd.grad(x, args, eye, is_grads_batched=True, create_graph=create_graph)
+
+    for create_graph in (False, True):
+        got = batched_grads(create_graph)
+        calls = on_compiled["autograd"]
+        for g, e in zip(got, on_lapack(lambda: batched_grads(create_graph))):
+            assert_close(g, e)
+        assert calls >= 1
+    f = lambda d: tridiagonal_solve(lower, d, upper, rhs)
+    jac = torch.autograd.functional.jacobian(f, diag, vectorize=True)
+    assert_close(jac, on_lapack(lambda: torch.autograd.functional.jacobian(f, diag,
+                                                                            vectorize=True)))
+    before = dict(on_compiled)
+    assert gradcheck(tridiagonal_solve, args, check_batched_grad=True)
+    assert on_compiled["autograd"] > before["autograd"]
+    assert on_compiled["lapack"] == before["lapack"]
+
+
+@pytest.mark.parametrize("dtype", ALL_DTYPES, ids=str)
+@pytest.mark.parametrize("name", ["solve", "solve_autograd"])
+def test_raw_ops_under_vmap(op, dtype, name):
+    """torch.func.vmap of each raw op, over any input (others unbatched) and a non-leading
+    dimension, and over a batch of 1 and of 17: what LAPACK gives for the stacked systems."""
+    raw = getattr(torch.ops.tridiag_tutorial_cpp, name)
+    for size in (1, 17):
+        samples = make_system(6, (size, 3), 2, dtype=dtype, seed=95)
+        fixed = [t[0] for t in samples]
+        for which in range(4):
+            in_dims = [None] * 4
+            in_dims[which] = 1
+            inputs = list(fixed)
+            inputs[which] = samples[which].movedim(0, 1)
+            x = vmap(raw, in_dims=tuple(in_dims))(*inputs)
+            full = [samples[i] if i == which else fixed[i].expand_as(samples[i]).contiguous()
+                    for i in range(4)]
+            torch.testing.assert_close(x, lapack_solve(*full), rtol=0, atol=0)
+    if name == "solve_autograd":  # one vector per system
+        samples = make_system(6, (4, 3), dtype=dtype, seed=96)
+        x = vmap(raw)(*samples)
+        expected = lapack_solve(*samples[:3], samples[3].unsqueeze(-1)).squeeze(-1)
+        torch.testing.assert_close(x, expected, rtol=0, atol=0)
+
+
+def test_cpp_backward_under_vmap_of_autograd_grad(on_compiled):
+    """torch.func.vmap over torch.autograd.grad of the C++ op's output: the backward runs with
+    batched cotangents (what is_grads_batched does), forward once."""
+    args = make_system(6, (3,), 2, requires_grad=True, seed=97)
+    x = tridiagonal_solve(*args)
+    cotangents = torch.randn(4, *x.shape, dtype=x.dtype, generator=torch.Generator().manual_seed(1))
+    got = vmap(lambda v: torch.autograd.grad(x, args, v, retain_graph=True))(cotangents)
+    expected = [torch.stack(g) for g in zip(*(torch.autograd.grad(dense_solve(*args), args, v)
+                                              for v in cotangents))]
+    for g, e in zip(got, expected):
+        assert_close(g, e)
+    assert on_compiled["autograd"] == 1
+
+
+# ----------------------------------------------------------------------------------------------
+# Bad input to the raw ops (issue 23): a clear error, never a crash or an uninitialised result.
+# ----------------------------------------------------------------------------------------------
+RAW_OPS = ["solve", "solve_autograd"]
+
+
+@pytest.mark.parametrize("name", RAW_OPS)
+def test_raw_ops_refuse_other_layouts(op, name):
+    """Nested (strided and jagged), sparse and mkldnn tensors: an error naming the argument.
+    (solve_autograd said "Internal error: NestedTensorImpl doesn't support sizes. Please file an
+    issue"; solve, "Could not run ... with arguments from the ... backend".)"""
+    raw = getattr(torch.ops.tridiag_tutorial_cpp, name)
+    lower, diag, upper, rhs = make_system(5, (2,), 3, seed=98)
+    makers = {"a nested tensor": lambda t: torch.nested.nested_tensor(list(t)),
+              "a nested tensor ": lambda t: torch.nested.nested_tensor(list(t), layout=torch.jagged),
+              "Sparse": lambda t: t.to_sparse(),
+              "Mkldnn": lambda t: t.float().to_mkldnn()}
+    for got, make in makers.items():
+        with pytest.raises(RuntimeError, match=rf"tridiag_tutorial_cpp::{name}: diag must be a "
+                           rf"dense \(strided\) tensor, got {got.strip()}"):
+            raw(lower, make(diag), upper, rhs)
+
+
+@pytest.mark.parametrize("name", RAW_OPS)
+def test_raw_ops_refuse_mixed_devices(op, name):
+    """One input on meta beside CPU tensors reached the fake kernel, which returned an
+    uninitialised CPU tensor: now ValueError, for each input in turn."""
+    raw = getattr(torch.ops.tridiag_tutorial_cpp, name)
+    args = make_system(5, (2,), 3, seed=99)
+    for which in range(4):
+        mixed = [t.to("meta") if i == which else t for i, t in enumerate(args)]
+        with pytest.raises(ValueError, match="all inputs must be on one device"):
+            raw(*mixed)
+
+
+@pytest.mark.parametrize("name", RAW_OPS)
+def test_fake_kernel_checks_like_the_kernel(op, name):
+    """On meta tensors (the fake kernel, also what torch.compile traces with) the checks of the
+    C++ kernel hold: shapes, dtypes and n >= 1; good input gives the kernel's shape."""
+    raw = getattr(torch.ops.tridiag_tutorial_cpp, name)
+    lower, diag, upper, rhs = make_system(5, (2,), 3, seed=100)
+    assert raw(*(t.to("meta") for t in (lower, diag, upper, rhs))).shape == (2, 5, 3)
+    bad = {"shapes must be": (lower[..., :3], diag, upper, rhs),
+           "one batch shape": (lower, diag, upper, rhs[:1]),
+           "one dtype": (lower.float(), diag, upper, rhs),
+           "dtype must be float32, float64, complex64 or complex128": tuple(
+               t.half() for t in (lower, diag, upper, rhs)),
+           "n must be at least 1": (lower[..., :0], diag[..., :0], upper[..., :0],
+                                    rhs[..., :0, :])}
+    for message, args in bad.items():
+        with pytest.raises(RuntimeError, match=message):
+            raw(*(t.to("meta") for t in args))
+        with pytest.raises(RuntimeError, match=message):  # and the CPU kernel says the same
+            raw(*args)
+
+
+@pytest.mark.parametrize("name", RAW_OPS)
+def test_raw_ops_empty_and_strided_inputs(op, name):
+    """k = 0, an empty batch, n = 1, expanded, transposed and sliced inputs, integer and half
+    dtypes: a result of the right shape equal to LAPACK's, or an error naming the problem."""
+    raw = getattr(torch.ops.tridiag_tutorial_cpp, name)
+    lower, diag, upper, rhs = make_system(5, (3,), 2, seed=101)
+    assert raw(lower, diag, upper, rhs[..., :0]).shape == (3, 5, 0)
+    assert raw(lower[:0], diag[:0], upper[:0], rhs[:0]).shape == (0, 5, 2)
+    one = make_system(1, (3,), 2, seed=102)
+    torch.testing.assert_close(raw(*one), lapack_solve(*one), rtol=0, atol=0)
+    strided = (lower[:1].expand(3, 4), diag[:, None].expand(3, 2, 5)[:, 1],
+               upper.T.contiguous().T, rhs.transpose(-1, -2).contiguous().transpose(-1, -2))
+    wide = torch.zeros(3, 5, 4, dtype=rhs.dtype)
+    wide[..., ::2] = rhs
+    for args in (strided, (lower, diag, upper, wide[..., ::2])):
+        torch.testing.assert_close(raw(*args), lapack_solve(*(t.contiguous() for t in args)),
+                                   rtol=0, atol=0)
+    for dtype, shown in ((torch.int64, "Long"), (torch.float16, "Half"), (torch.bool, "Bool")):
+        with pytest.raises(RuntimeError, match=f"dtype must be float32, float64, complex64 or "
+                                               f"complex128, got {shown}"):
+            raw(*(t.to(dtype) for t in (lower, diag, upper, rhs)))
+
+
+def test_load_compiled_or_skip_fails_in_ci_when_the_build_fails(monkeypatch):
+    """With CI=true and a compiler on PATH, a failing build (or missing ninja) is a failure, not
+    a skip; without the tools and outside CI it is a skip."""
+    def broken_load(verbose=False):
+        raise RuntimeError("Error building extension 'tridiag_tutorial_cpp'")
+
+    monkeypatch.setattr(compiled, "load", broken_load)
+    monkeypatch.setenv("CXX", "c++")
+    monkeypatch.setattr(shutil, "which", lambda name: f"/usr/bin/{name}")
+    monkeypatch.setenv("CI", "true")
+    for missing in ([], ["ninja (...)"]):
+        monkeypatch.setattr(compiled, "_missing_tools", lambda: missing)
+        with pytest.raises(pytest.fail.Exception, match="Error building extension"):
+            load_compiled_or_skip()
+    monkeypatch.setenv("CI", "false")
+    with pytest.raises(pytest.skip.Exception, match="ninja"):
+        load_compiled_or_skip()
+    monkeypatch.setattr(compiled, "_missing_tools", lambda: [])
+    with pytest.raises(pytest.fail.Exception):
+        load_compiled_or_skip()

@@ -15,9 +15,16 @@ How to call it::
 
 The inputs must already have one batch shape ``*B`` (broadcast them first) and one dtype; they
 may be views with any strides and are never modified. The result is a new C-contiguous
-``(*B, n, k)`` tensor. An exactly zero pivot raises :class:`torch.linalg.LinAlgError` with the
-package's message (``"the tridiagonal matrix is singular: pivot U[i, i] is exactly zero, in
-batch element (a, b)"``). The op has a fake kernel, so it can be traced by ``torch.compile``; it
+``(*B, n, k)`` tensor. It raises where ``?gtsv`` reports an exactly zero pivot (``info > 0``;
+the real routines never check the step with a row interchange, so a NaN diagonal entry above a
+zero subdiagonal one gives NaN in that system, not an error), with the package's message
+(``"the tridiagonal matrix is singular: pivot U[i, i] is exactly zero, in batch element (a,
+b)"``) naming the first such system and ``?gtsv``'s pivot; elsewhere the results equal
+``?gtsv``'s bit for bit, NaN included (``tests/test_compiled.py`` checks this on non-finite and
+singular families, all four dtypes). The op has a fake kernel that checks what the C++ kernel
+checks (shapes, dtypes, layout; inputs on more than one device, a ``meta`` band beside CPU
+tensors say, raise :class:`ValueError`), so it can be traced by ``torch.compile``, and a vmap
+rule (one call on the stacked systems), so ``torch.func.vmap`` and batched gradients work; it
 has no autograd formula (use :func:`tridiag_tutorial.tridiagonal_solve` for gradients).
 
 Nothing is compiled when the package is imported, and LAPACK (through SciPy) stays the default
@@ -73,7 +80,9 @@ def op():
 def autograd_op():
     """The loaded op ``torch.ops.tridiag_tutorial_cpp.solve_autograd`` (call :func:`load` first):
     :func:`op` with an Autograd kernel in C++ (``csrc/tridiag_autograd.cpp``), so that a
-    backward runs without entering Python. It has no forward-mode rule and no vmap rule;
+    backward runs without entering Python. It has a vmap rule (so ``is_grads_batched``,
+    ``jacobian(vectorize=True)`` and ``gradcheck(check_batched_grad=True)`` work) but no
+    forward-mode rule, and torch refuses it under ``torch.func.grad``;
     :func:`tridiag_tutorial.tridiagonal_solve` calls it only in eager reverse mode, where it
     measured faster (see :func:`tridiag_tutorial.kernels.cpp_autograd_pays`)."""
     if _autograd_op is None:
@@ -115,12 +124,52 @@ def load(verbose: bool = False):
               is_python_module=False, verbose=verbose)
     op = torch.ops.tridiag_tutorial_cpp.solve
     _register_fake()
+    _register_vmap()
     _autograd_op = torch.ops.tridiag_tutorial_cpp.solve_autograd.default
     _op = op
     return op
 
 
 _fake_registered = False
+_vmap_registered = False
+_LIB = None  # the torch.library.Library that holds the vmap rules (kept alive while loaded)
+
+_DTYPES = (torch.float32, torch.float64, torch.complex64, torch.complex128)
+
+
+def _check_inputs(name: str, lower, diag, upper, rhs) -> None:
+    """The checks of the C++ kernel (csrc/tridiag.cpp), on metadata only: what the fake kernel
+    does before it returns, so that a traced or meta call fails where the real one would (shapes,
+    dtypes, layout) and a mix of devices (a meta band beside CPU tensors) raises ValueError
+    rather than returning an uninitialised tensor."""
+    op = f"{NAME}::{name}"
+    tensors = {"lower": lower, "diag": diag, "upper": upper, "rhs": rhs}
+    for key, t in tensors.items():
+        if t.layout != torch.strided or t.is_nested:
+            raise RuntimeError(f"{op}: {key} must be a dense (strided) tensor, got "
+                               f"{'a nested tensor' if t.is_nested else t.layout}")
+    devices = {t.device for t in tensors.values()}
+    if len(devices) > 1:
+        raise ValueError(f"{op}: all inputs must be on one device, got lower on {lower.device}, "
+                         f"diag on {diag.device}, upper on {upper.device}, rhs on {rhs.device}")
+    if diag.dtype not in _DTYPES:
+        raise RuntimeError(f"{op}: dtype must be float32, float64, complex64 or complex128, got "
+                           f"{diag.dtype}")
+    if any(t.dtype != diag.dtype for t in tensors.values()):
+        raise RuntimeError(f"{op}: all inputs must have one dtype")
+    vector = name == "solve_autograd" and rhs.dim() == diag.dim()
+    torch._check(diag.dim() >= 1, lambda: f"{op}: diag must have a last dimension n")
+    torch._check(vector or rhs.dim() == diag.dim() + 1,
+                 lambda: f"{op}: rhs must be (*B, n, k) for diag (*B, n); got rhs "
+                 f"{list(rhs.shape)} and diag {list(diag.shape)}")
+    n = diag.shape[-1]
+    torch._check(n >= 1, lambda: f"{op}: n must be at least 1")
+    batch = tuple(diag.shape[:-1])
+    torch._check(tuple(lower.shape) == batch + (n - 1,) and tuple(upper.shape) == batch + (n - 1,)
+                 and tuple(rhs.shape[:len(batch) + 1]) == batch + (n,),
+                 lambda: f"{op}: shapes must be lower, upper (*B, n-1), diag (*B, n), rhs "
+                 f"(*B, n, k) with one batch shape; got {list(lower.shape)}, {list(diag.shape)}, "
+                 f"{list(upper.shape)}, {list(rhs.shape)}")
 
 
 def _register_fake() -> None:
@@ -130,8 +179,38 @@ def _register_fake() -> None:
 
     @torch.library.register_fake(f"{NAME}::solve")
     def _solve_fake(lower, diag, upper, rhs):
+        _check_inputs("solve", lower, diag, upper, rhs)
         return rhs.new_empty(rhs.shape)  # C-contiguous, like the CPU kernel's result
 
-    torch.library.register_fake(f"{NAME}::solve_autograd", _solve_fake)
+    @torch.library.register_fake(f"{NAME}::solve_autograd")
+    def _solve_autograd_fake(lower, diag, upper, rhs):
+        _check_inputs("solve_autograd", lower, diag, upper, rhs)
+        return rhs.new_empty(rhs.shape)
 
     _fake_registered = True
+
+
+def _vmap_rule(op):
+    """The batch rule of ``op`` (``solve`` or ``solve_autograd``): the vmapped dimension moved to
+    the front of every input (unbatched inputs expanded to it), one call of the op on the
+    unwrapped tensors, the result batched along dimension 0. Without it, vmap (and
+    ``is_grads_batched``, ``jacobian(vectorize=True)``, ``gradcheck(check_batched_grad=True)``,
+    which use vmap) would hand the C++ code batched tensors, which hold no storage."""
+    def rule(info, in_dims, lower, diag, upper, rhs):
+        size = info.batch_size
+        args = [t.movedim(dim, 0) if dim is not None else t.unsqueeze(0).expand(size, *t.shape)
+                for t, dim in zip((lower, diag, upper, rhs), in_dims)]
+        return op(*args), 0
+    return rule
+
+
+def _register_vmap() -> None:
+    global _vmap_registered, _LIB
+    if _vmap_registered:
+        return
+    _LIB = torch.library.Library(NAME, "FRAGMENT")
+    for name in ("solve", "solve_autograd"):
+        torch.library.register_vmap(f"{NAME}::{name}",
+                                    _vmap_rule(getattr(torch.ops.tridiag_tutorial_cpp, name).default),
+                                    lib=_LIB)
+    _vmap_registered = True

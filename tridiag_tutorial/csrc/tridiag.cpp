@@ -23,9 +23,14 @@
 // systems. Fewer than W systems (one large system, say) use the same code with W = 1, each
 // system solved in place in the output.
 //
-// A zero pivot U[i, i] raises c10::LinAlgError (torch.linalg.LinAlgError in Python), naming the
-// first singular system in flat (C) order and its first zero pivot. Systems never mix, so a NaN
-// or infinity stays in its own system.
+// A system raises exactly where ?gtsv returns INFO > 0: dgtsv/sgtsv check for a zero pivot only
+// in the step without interchange (d[i] = 0 with |d[i]| >= |lower[i]|) and at d[n-1]; the
+// interchange step is never checked (a NaN d[i] above a zero lower[i] gives NaN, not an error).
+// zgtsv/cgtsv check only where lower[i] is zero. c10::LinAlgError (torch.linalg.LinAlgError in
+// Python) names the first such system in flat (C) order and ?gtsv's pivot (INFO - 1). Systems
+// never mix, so a NaN or infinity stays in its own system. Inputs that are not dense CPU
+// tensors of one device, one floating or complex dtype and consistent shapes raise an error
+// that names the argument (also for nested, sparse and mkldnn tensors, registered below).
 
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
@@ -137,7 +142,10 @@ void real_kernel(int64_t n, int64_t k, R* __restrict__ d, R* __restrict__ du,
       st(d0 + W, (s ? c : e) - f * (s ? e : c));
       st(l0, s ? g : zero);  // fill-in U[i, i+2]
       st(u0 + W, s ? -(f * g) : g);
-      bad[o / VL] = p == zero ? one : bad[o / VL];
+      // dgtsv stops (INFO = i+1) only on a zero pivot in the branch without interchange; the
+      // interchange branch is never checked (a NaN d[i] above a zero lower[i] divides by zero
+      // and gives NaN, with INFO = 0).
+      bad[o / VL] = (lnot(s) & (a == zero)) ? one : bad[o / VL];
       for (int64_t j = 0; j < k; ++j) {
         R* b0 = b + (i * k + j) * W + o;
         R* b1 = b0 + k * W;
@@ -316,8 +324,7 @@ void real_kernel_one(int64_t n, int64_t k, R* __restrict__ d, R* __restrict__ du
       d[i + 1] = d[i + 1] - f * du[i];
       dl[i] = R(0);
       for (int64_t j = 0; j < k; ++j) b1[j] = b1[j] - f * b0[j];
-    } else {
-      bad |= l == R(0);
+    } else {  // not checked for a zero pivot, as in dgtsv (see real_kernel)
       const R f = a / l, e = d[i + 1], c = du[i], g = du[i + 1];
       d[i] = l;
       du[i] = e;
@@ -368,7 +375,12 @@ inline void scatter(R* __restrict__ dst, const R* __restrict__ src, int64_t coun
   for (int64_t q = 0; q < count; ++q) dst[q] = src[q * W + w];
 }
 
-// The first zero pivot of lane w (d is final after the elimination), or -1.
+// The first zero pivot of lane w (d is final after the elimination), or -1: for a system the
+// kernel flagged, the row where ?gtsv stops (INFO - 1). d[i] holds the pivot of step i, and a
+// zero there is either a flagged stop or (real only) an unchecked zero pivot in the interchange
+// branch, which needs d[i] = NaN: from then on every multiplier is NaN, every later step takes
+// the interchange branch (no check) and d[n-1] is NaN, so such a system is not flagged at all.
+// In a flagged system the first zero of d is therefore the first stop, and so is ?gtsv's INFO.
 template <typename R, bool Complex, int W>
 int64_t first_zero_pivot(const R* d, int64_t n, int w) {
   constexpr int C = Complex ? 2 : 1;
@@ -460,6 +472,18 @@ void solve_all(const R* L, const R* D, const R* U, const R* Bm, R* X, int64_t ns
 
 at::Tensor solve(const at::Tensor& lower, const at::Tensor& diag, const at::Tensor& upper,
                  const at::Tensor& rhs) {
+  const char* names[] = {"lower", "diag", "upper", "rhs"};
+  const at::Tensor* inputs[] = {&lower, &diag, &upper, &rhs};
+  for (int a = 0; a < 4; ++a) {
+    const at::Tensor& t = *inputs[a];
+    TORCH_CHECK(t.defined(), "tridiag_tutorial_cpp::solve: ", names[a], " is undefined");
+    TORCH_CHECK(!t.is_nested() && t.layout() == at::kStrided, "tridiag_tutorial_cpp::solve: ",
+                names[a], " must be a dense (strided) tensor, got ",
+                t.is_nested() ? "a nested tensor" : c10::str(t.layout()));
+    TORCH_CHECK_VALUE(t.device() == diag.device(), "tridiag_tutorial_cpp::solve: all inputs must "
+                      "be on one device, got lower on ", lower.device(), ", diag on ",
+                      diag.device(), ", upper on ", upper.device(), ", rhs on ", rhs.device());
+  }
   TORCH_CHECK(diag.dim() >= 1, "tridiag_tutorial_cpp::solve: diag must have a last dimension n");
   TORCH_CHECK(rhs.dim() == diag.dim() + 1, "tridiag_tutorial_cpp::solve: rhs must be (*B, n, k) "
               "for diag (*B, n); got rhs ", rhs.sizes(), " and diag ", diag.sizes());
@@ -479,6 +503,10 @@ at::Tensor solve(const at::Tensor& lower, const at::Tensor& diag, const at::Tens
               "rhs (*B, n, k) with one batch shape; got ", lower.sizes(), ", ", diag.sizes(), ", ",
               upper.sizes(), ", ", rhs.sizes());
   const auto dtype = diag.scalar_type();
+  TORCH_CHECK(dtype == at::kFloat || dtype == at::kDouble || dtype == at::kComplexFloat ||
+                  dtype == at::kComplexDouble,
+              "tridiag_tutorial_cpp::solve: dtype must be float32, float64, complex64 or "
+              "complex128, got ", dtype);
   TORCH_CHECK(lower.scalar_type() == dtype && upper.scalar_type() == dtype &&
                   rhs.scalar_type() == dtype,
               "tridiag_tutorial_cpp::solve: all inputs must have one dtype");
@@ -537,5 +565,23 @@ TORCH_LIBRARY(tridiag_tutorial_cpp, m) {
 }
 
 TORCH_LIBRARY_IMPL(tridiag_tutorial_cpp, CPU, m) {
+  m.impl("solve", &solve);
+}
+
+// Layouts the kernel does not take reach solve's checks, which name the argument, rather than
+// the dispatcher's "Could not run ... with arguments from the ... backend".
+TORCH_LIBRARY_IMPL(tridiag_tutorial_cpp, AutogradNestedTensor, m) {
+  m.impl("solve", &solve);
+}
+TORCH_LIBRARY_IMPL(tridiag_tutorial_cpp, NestedTensorCPU, m) {
+  m.impl("solve", &solve);
+}
+TORCH_LIBRARY_IMPL(tridiag_tutorial_cpp, SparseCPU, m) {
+  m.impl("solve", &solve);
+}
+TORCH_LIBRARY_IMPL(tridiag_tutorial_cpp, SparseCsrCPU, m) {
+  m.impl("solve", &solve);
+}
+TORCH_LIBRARY_IMPL(tridiag_tutorial_cpp, MkldnnCPU, m) {
   m.impl("solve", &solve);
 }

@@ -13,9 +13,16 @@
 // it solves through solve_autograd itself and writes the band products as ATen operations, which
 // autograd records, so second derivatives work.
 //
+// When v or x is a batched tensor (autograd.grad(is_grads_batched=True),
+// jacobian(vectorize=True), gradcheck(check_batched_grad=True), torch.func.vmap over a
+// backward), which holds no storage, the backward takes the ATen branch too: the solve goes
+// through the op's vmap rule (registered from Python by tridiag_tutorial.compiled.load) and the
+// band products are batched by vmap.
+//
 // The Python package sends a call here only in eager reverse mode (no torch.func transform, no
-// forward-mode AD, no dispatch mode, plain CPU tensors): this Function has no jvp and no vmap
-// rule, which the Python autograd.Function of tridiag_tutorial.ops provides for those cases.
+// forward-mode AD, no dispatch mode, plain CPU tensors): this Function has no jvp, and a
+// torch::autograd::Function cannot run under torch.func.grad (torch refuses it), which the
+// Python autograd.Function of tridiag_tutorial.ops provides for those cases.
 
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
@@ -98,6 +105,19 @@ void band_gradients(const at::Tensor& v, const at::Tensor& x, at::Tensor& grad_l
   });
 }
 
+// Whether the fused loop may read t's memory: a dense CPU tensor with storage of its own, not a
+// wrapper that holds none (a vmap-batched tensor of torch.func.vmap, is_grads_batched or
+// check_batched_grad; a functorch, functional or Python-subclass tensor).
+bool plain(const at::Tensor& t) {
+  static const c10::DispatchKeySet wrappers({c10::DispatchKey::FuncTorchBatched,
+                                             c10::DispatchKey::BatchedNestedTensor,
+                                             c10::DispatchKey::FuncTorchGradWrapper,
+                                             c10::DispatchKey::Functionalize,
+                                             c10::DispatchKey::Python});
+  return t.defined() && t.has_storage() && t.layout() == at::kStrided && !t.is_nested() &&
+         t.device().is_cpu() && !t.key_set().has_any(wrappers);
+}
+
 struct TridiagonalSolve : public torch::autograd::Function<TridiagonalSolve> {
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& lower, const at::Tensor& diag,
                             const at::Tensor& upper, const at::Tensor& rhs) {
@@ -127,15 +147,19 @@ struct TridiagonalSolve : public torch::autograd::Function<TridiagonalSolve> {
     const bool bands = ctx->needs_input_grad(0) || ctx->needs_input_grad(1) ||
                        ctx->needs_input_grad(2);
     at::Tensor grad_lower, grad_diag, grad_upper;
-    if (!at::GradMode::is_enabled()) {  // a first-order backward: the kernel, one fused pass
-      const at::Tensor v = kernel(upper.conj(), diag.conj(), lower.conj(), g);  // contiguous
+    const bool record = at::GradMode::is_enabled();
+    const at::Tensor v = record ? solve_autograd(upper.conj(), diag.conj(), lower.conj(), g)
+                                : kernel(upper.conj(), diag.conj(), lower.conj(), g);
+    if (!record && plain(v) && plain(x)) {  // a first-order backward: one fused pass
       if (bands) band_gradients(v, x.contiguous(), grad_lower, grad_diag, grad_upper);
       return {ctx->needs_input_grad(0) ? grad_lower : at::Tensor(),
               ctx->needs_input_grad(1) ? grad_diag : at::Tensor(),
               ctx->needs_input_grad(2) ? grad_upper : at::Tensor(),
               ctx->needs_input_grad(3) ? (vector ? v.squeeze(-1) : v) : at::Tensor()};
     }
-    const at::Tensor v = solve_autograd(upper.conj(), diag.conj(), lower.conj(), g);
+    // With create_graph, or when v is a batched tensor (is_grads_batched, check_batched_grad,
+    // vmap: the op's vmap rule in tridiag_tutorial/compiled.py solved it), ATen operations,
+    // which autograd records and vmap batches.
     if (bands) {
       const int64_t n = x.size(-2);
       const at::Tensor minus_v = v.neg();
@@ -146,13 +170,29 @@ struct TridiagonalSolve : public torch::autograd::Function<TridiagonalSolve> {
       if (ctx->needs_input_grad(2))  // entry (i, i+1): -sum_k v[i, k] conj(x[i+1, k])
         grad_upper = (minus_v.narrow(-2, 0, n - 1) * xc.narrow(-2, 1, n - 1)).sum(-1);
     }
-    return {grad_lower, grad_diag, grad_upper,
+    return {ctx->needs_input_grad(0) ? grad_lower : at::Tensor(),
+            ctx->needs_input_grad(1) ? grad_diag : at::Tensor(),
+            ctx->needs_input_grad(2) ? grad_upper : at::Tensor(),
             ctx->needs_input_grad(3) ? (vector ? v.squeeze(-1) : v) : at::Tensor()};
   }
 };
 
 at::Tensor solve_autograd(const at::Tensor& lower, const at::Tensor& diag,
                           const at::Tensor& upper, const at::Tensor& rhs) {
+  // What autograd needs before the kernel's own checks run (it reads the inputs' sizes).
+  const char* names[] = {"lower", "diag", "upper", "rhs"};
+  const at::Tensor* inputs[] = {&lower, &diag, &upper, &rhs};
+  for (int a = 0; a < 4; ++a) {
+    const at::Tensor& t = *inputs[a];
+    TORCH_CHECK(t.defined(), "tridiag_tutorial_cpp::solve_autograd: ", names[a], " is undefined");
+    TORCH_CHECK(!t.is_nested() && t.layout() == at::kStrided,
+                "tridiag_tutorial_cpp::solve_autograd: ", names[a],
+                " must be a dense (strided) tensor, got ",
+                t.is_nested() ? "a nested tensor" : c10::str(t.layout()));
+  }
+  TORCH_CHECK(rhs.dim() == diag.dim() || rhs.dim() == diag.dim() + 1,
+              "tridiag_tutorial_cpp::solve_autograd: rhs must be (*B, n) or (*B, n, k) for diag "
+              "(*B, n); got rhs ", rhs.sizes(), " and diag ", diag.sizes());
   return TridiagonalSolve::apply(lower, diag, upper, rhs);
 }
 
