@@ -109,15 +109,14 @@ def test_singular_block_of_a_nonsingular_matrix_falls_back(fallbacks):
     assert_close(x, dense(lower, diag, upper, rhs))
 
 
-def test_nearly_singular_block_falls_back_rather_than_lose_accuracy(fallbacks):
-    """A block with a pivot of 1e-13: the spikes blow up and so would the error, so the backward
-    error check sends the solve to the sequential kernel."""
+def test_nearly_singular_block_is_refined_or_falls_back():
+    """A block with a pivot of 1e-13: the spikes blow up and so would the error of the unrefined
+    solve; refinement (or the fallback to the sequential kernel) gives the accurate answer."""
     lower, diag, upper, rhs = singular_block_system()
     diag[1, 3] = 1e-13
     unchecked = partitioned._solve(lower, diag, upper, rhs, partitioned.BLOCK)
     assert backward_error(lower, diag, upper, rhs, unchecked)[1] > 1e3 * torch.finfo(torch.float64).eps
     x = partitioned.solve(lower, diag, upper, rhs)
-    assert fallbacks == [1]
     assert backward_error(lower, diag, upper, rhs, x).max() < 100 * torch.finfo(x.dtype).eps
     assert_close(x, dense(lower, diag, upper, rhs))
 
@@ -275,7 +274,7 @@ def test_operation_count_grows_like_log_n():
     counts = {n: count_ops(partitioned.solve, *make_system(n, (), 1, seed=n, dominant=True))
               for n in (10**4, 10**5)}
     assert counts[10**5] <= 1.5 * counts[10**4]
-    assert counts[10**5] < 3000  # about 30 operations per row: the sequential kernel'd need 3e6
+    assert counts[10**5] < 4000  # about 30 operations per row: the sequential kernel'd need 3e6
     sequential = count_ops(torch_kernel.solve, *make_system(100, (), 1, seed=1))
     assert sequential > 30 * 100  # the premise: O(n) for the sequential kernel
 
@@ -298,7 +297,7 @@ def test_operation_count_through_the_op_forward_and_backward(monkeypatch):
         x = tridiagonal_solve(*args)
         torch.autograd.grad(x.square().sum(), args)
     assert len(counts) == 2  # the forward's solve, and the backward's with A^T
-    assert all(1000 < c < 3000 for c in counts), counts
+    assert all(1000 < c < 4000 for c in counts), counts
 
 
 def test_the_op_chooses_by_size(monkeypatch):

@@ -1,0 +1,275 @@
+r"""How accurate the partitioned kernel is, against LAPACK on the same systems.
+
+For each family of systems below, in float32 and float64 and for a few sizes from 64 to 1e5
+unknowns, this module solves seeded random systems with :func:`tridiag_tutorial.partitioned.solve`
+and with LAPACK's ``?gtsv`` (:func:`tridiag_tutorial.lapack.gtsv`) in the same dtype, and reports
+the ratio of their forward errors, ``max|x - x_ref| / max|x_ref|``: the median, the largest, and
+how many systems the partitioned kernel handed to its fallback (the sequential kernel). The
+reference ``x_ref`` is LAPACK's float64 solution refined with residuals in NumPy's ``longdouble``
+(80-bit extended precision on x86), so it is far more accurate than either solve in float64.
+Ratios are taken only where LAPACK's error is below ``1e-2`` (elsewhere neither answer has
+digits to compare). Singular constructions (a zero row, a row that is a multiple of the next,
+a rank-1 2 x 2 block) are counted apart: how many raise
+:class:`torch.linalg.LinAlgError` on LAPACK and on the kernel, and how many disagree.
+
+``python -m tridiag_tutorial.accuracy --out notebooks/data/accuracy_results.json`` measures the
+kernel as it is (``after``) and the kernel before refinement was added (``before``: ``git show
+BEFORE:tridiag_tutorial/partitioned.py``, where git and that commit are there) and writes
+both with the machine's description; ``--quick`` runs a small sample. Chapter 8 renders the table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import math
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+import numpy as np
+import torch
+
+from . import lapack, partitioned, torch_kernel
+
+__all__ = ["FAMILIES", "SINGULAR_FAMILIES", "make", "reference", "forward_error", "measure", "main"]
+
+FAMILIES = ("random", "zero_diagonal", "dominant", "nearly_singular_block", "badly_scaled_rows")
+SINGULAR_FAMILIES = ("zero_row", "half_row", "scaled_row", "rank1_block")
+SIZES = (64, 1000, 100_000)
+SYSTEMS = {64: 60, 1000: 20, 100_000: 2}  # per family, dtype and size
+QUICK_SYSTEMS = {64: 4, 1000: 2}
+BEFORE = "93bdc291639554c9d498c6a6c61db8788cd152a7"  # the last commit whose kernel had a check alone, no refinement
+SINGULAR_MAX_N = 1000  # singular families are measured up to this size
+SCALE_EXPONENT = {np.float32: 30, np.float64: 150}  # badly scaled rows: 10^U(-e, e)
+
+
+def make(family: str, n: int, dtype, seed: int, row: int | None = None):
+    """``(lower, diag, upper, rhs)``: NumPy arrays of ``dtype`` for one system, ``rhs`` ``(n, 1)``.
+
+    - ``random``: diagonal ``±(1.5 + |N(0, 1)|)``, off-diagonals ``N(0, 1)`` (pivoting needed;
+      the recipe of ``tests/conftest.make_system``);
+    - ``zero_diagonal``: zero diagonal, off-diagonals ``±(1 + 0.1 |N|)`` (``n`` even), so that every
+      elimination step must swap rows;
+    - ``dominant``: the random recipe with 4 added to the diagonal's magnitude;
+    - ``nearly_singular_block``: the random recipe with one block of ``partitioned.BLOCK`` rows
+      (at a random block position) made singular and then perturbed by a relative ``10^U(-15, -3)``;
+    - ``badly_scaled_rows``: the random recipe with row ``i`` (and its right-hand side) scaled by
+      ``10^(t_i + U(-1, 1))``, ``t_i`` going evenly from ``-e`` to ``e`` (or back) down the rows,
+      ``e`` = 150 in float64 and 30 in float32 (where adjacent rows differ by more than a few
+      decades, at n = 64, LAPACK's own error is often above 1e-2, and no ratio is taken);
+    - ``zero_row``, ``half_row`` (row ``i + 1`` = row ``i`` / 2), ``scaled_row`` (row ``i + 1`` =
+      ``-0.7`` row ``i``, rounded), ``rank1_block`` (a decoupled 2 x 2 block of rank 1): singular
+      (``scaled_row`` up to round-off), the row ``i`` drawn at random unless ``row`` gives it.
+    """
+    g = np.random.default_rng(seed)
+    lower, upper = g.standard_normal(n - 1), g.standard_normal(n - 1)
+    sign = np.where(g.random(n) < 0.5, -1.0, 1.0)
+    diag = (1.5 + np.abs(g.standard_normal(n))) * sign
+    rhs = g.standard_normal((n, 1))
+    i = int(g.integers(2, n - 3)) if row is None else row
+    if family == "zero_diagonal":
+        n_even = n - n % 2
+        diag = np.zeros(n)
+        if n_even < n:
+            diag[-1] = 1.0
+        lower = (1 + 0.1 * np.abs(lower)) * np.where(g.random(n - 1) < 0.5, -1.0, 1.0)
+        upper = (1 + 0.1 * np.abs(upper)) * np.where(g.random(n - 1) < 0.5, -1.0, 1.0)
+    elif family == "dominant":
+        diag = diag + 4 * sign
+    elif family == "nearly_singular_block":
+        m = partitioned.BLOCK
+        a = (m + 1) * int(g.integers(0, max(1, (n - m) // (m + 1))))  # first row of a block
+        f_prev, f = 1.0, diag[a]  # continuants: determinants of the block's leading submatrices
+        for r in range(a + 1, a + m - 1):
+            f_prev, f = f, diag[r] * f - lower[r - 1] * upper[r - 1] * f_prev
+        last = a + m - 1
+        diag[last] = lower[last - 1] * upper[last - 1] * f_prev / f  # the block's det is 0
+        diag[last] *= 1 + 10.0 ** g.uniform(-15, -3) * (1 if g.random() < 0.5 else -1)
+    elif family == "badly_scaled_rows":
+        e = SCALE_EXPONENT[dtype]
+        ramp = np.linspace(-e, e, n) * (1 if g.random() < 0.5 else -1) + g.uniform(-1, 1, n)
+        scale = 10.0 ** np.clip(ramp, -e, e)
+        diag, rhs = diag * scale, rhs * scale[:, None]
+        lower, upper = lower * scale[1:], upper * scale[:-1]
+    elif family == "zero_row":
+        lower[i - 1], diag[i], upper[i] = 0.0, 0.0, 0.0
+    elif family in ("half_row", "scaled_row"):  # rows i and i + 1 only in columns i, i + 1
+        factor = 0.5 if family == "half_row" else -0.7
+        lower[i - 1], upper[i + 1] = 0.0, 0.0
+        lower[i], diag[i + 1] = factor * diag[i], factor * upper[i]
+    elif family == "rank1_block":  # rows and columns i, i + 1 decoupled, [[a, b], [2a, 2b]]
+        lower[i - 1], upper[i - 1], lower[i + 1], upper[i + 1] = 0.0, 0.0, 0.0, 0.0
+        lower[i], diag[i + 1] = 2 * diag[i], 2 * upper[i]
+    elif family != "random":
+        raise ValueError(f"unknown family {family!r}")
+    return tuple(np.asarray(t, dtype=dtype) for t in (lower, diag, upper, rhs))
+
+
+def _residual_long(lower, diag, upper, rhs, x):
+    """``rhs - A x`` in ``longdouble``."""
+    lo, d, up, b = (np.asarray(t, dtype=np.longdouble) for t in (lower, diag, upper, rhs))
+    r = b - d[:, None] * x
+    r[1:] -= lo[:, None] * x[:-1]
+    r[:-1] -= up[:, None] * x[1:]
+    return r
+
+
+def reference(lower, diag, upper, rhs, steps: int = 6):
+    """``A^{-1} rhs`` in ``longdouble``: LAPACK's float64 solve refined with ``longdouble``
+    residuals (``A`` and ``rhs`` as given, converted exactly). Raises ``LinAlgError`` where
+    float64 LAPACK meets an exact zero pivot."""
+    lo, d, up = (np.asarray(t, dtype=np.float64) for t in (lower, diag, upper))
+    x = lapack.gtsv(lo, d, up, np.asarray(rhs, dtype=np.float64)).astype(np.longdouble)
+    for _ in range(steps):
+        r = _residual_long(lower, diag, upper, rhs, x)
+        # scale so that the float64 correction neither overflows nor underflows
+        scale = np.max(np.abs(r)) if np.all(np.isfinite(r)) else 0
+        if not scale:
+            break
+        x = x + lapack.gtsv(lo, d, up, (r / scale).astype(np.float64)).astype(np.longdouble) * scale
+    return x
+
+
+def forward_error(x, x_ref) -> float:
+    """``max|x - x_ref| / max|x_ref|``, in ``longdouble``."""
+    x = np.asarray(x, dtype=np.longdouble)
+    with np.errstate(all="ignore"):
+        return float(np.max(np.abs(x - x_ref)) / np.max(np.abs(x_ref)))
+
+
+def _torch(*arrays):
+    return [torch.from_numpy(np.ascontiguousarray(a)) for a in arrays]
+
+
+def _kernel_solve(solve, system):
+    """``(x, fell_back)`` of ``solve`` (a module's ``solve``) on one system; raises LinAlgError."""
+    calls, original = [], torch_kernel.solve
+
+    def counting(*args):
+        calls.append(1)
+        return original(*args)
+
+    torch_kernel.solve = counting
+    try:
+        x = solve(*_torch(*system))
+    finally:
+        torch_kernel.solve = original
+    return x.numpy(), bool(calls)
+
+
+def measure(solve, families=FAMILIES, singular=SINGULAR_FAMILIES, systems=None, log=None):
+    """Rows for ``solve`` (a partitioned kernel's ``solve``): one per family, dtype and size, with
+    ``median_ratio``, ``max_ratio`` (kernel error / LAPACK error where LAPACK's is below 1e-2),
+    ``compared``, ``fallbacks``, ``raised``, ``max_lapack_error`` and every ``ratios`` (3
+    significant digits); singular families with
+    ``lapack_raised``, ``kernel_raised`` and ``disagreements``."""
+    systems = systems or SYSTEMS
+    rows = []
+    for family in tuple(families) + tuple(singular):
+        for dtype in (np.float32, np.float64):
+            for n, count in systems.items():
+                if family in singular and n > SINGULAR_MAX_N:
+                    continue  # every one falls back to the sequential kernel: slow, and like n = 1000
+                ratios, fallbacks, raised, lapack_raised, disagree, worst = [], 0, 0, 0, 0, 0.0
+                for seed in range(count):
+                    system = make(family, n + (n % 2 if family == "zero_diagonal" else 0), dtype, seed)
+                    try:
+                        x_lapack = lapack.gtsv(*system)
+                        lapack_error = None
+                    except torch.linalg.LinAlgError:
+                        lapack_error = "raised"
+                    try:
+                        x, fell_back = _kernel_solve(solve, system)
+                        kernel_error = None
+                    except torch.linalg.LinAlgError:
+                        kernel_error, fell_back = "raised", True
+                    fallbacks += fell_back
+                    raised += kernel_error is not None
+                    lapack_raised += lapack_error is not None
+                    if (lapack_error is None) != (kernel_error is None):
+                        disagree += 1
+                        continue
+                    if lapack_error is not None or family in singular:
+                        continue
+                    x_ref = reference(*system)
+                    e_lapack = forward_error(x_lapack, x_ref)
+                    if e_lapack < 1e-2:
+                        e_kernel = forward_error(x, x_ref)
+                        ratios.append(e_kernel / e_lapack if e_lapack > 0 else
+                                      (1.0 if e_kernel == 0 else math.inf))
+                        worst = max(worst, e_lapack)
+                row = dict(family=family, dtype=np.dtype(dtype).name, n=n, systems=count,
+                           fallbacks=fallbacks, raised=raised, lapack_raised=lapack_raised,
+                           disagreements=disagree)
+                if family not in singular:
+                    row.update(compared=len(ratios),
+                               median_ratio=float(np.median(ratios)) if ratios else None,
+                               max_ratio=float(np.max(ratios)) if ratios else None,
+                               max_lapack_error=worst,
+                               ratios=[float(f"{r:.3g}") for r in ratios])
+                rows.append(row)
+                if log:
+                    log(json.dumps(row))
+    return rows
+
+
+def _load_module(source: str, name: str):
+    """A module made from ``source`` (the text of a ``partitioned.py``), importing its
+    relative imports from this package."""
+    source = source.replace("from . import", "from tridiag_tutorial import")
+    with tempfile.TemporaryDirectory() as folder:
+        path = os.path.join(folder, name + ".py")
+        with open(path, "w") as f:
+            f.write(source)
+        spec = importlib.util.spec_from_file_location(name, path)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    return module
+
+
+def committed_kernel(revision: str = BEFORE):
+    """The partitioned kernel of ``revision`` (``git show``), or None where git cannot show it."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    try:
+        source = subprocess.run(["git", "show", f"{revision}:tridiag_tutorial/partitioned.py"],
+                                cwd=root, capture_output=True, text=True, check=True).stdout
+    except (OSError, subprocess.CalledProcessError):
+        return None
+    return _load_module(source, "_partitioned_" + revision.replace("~", "_").replace("^", "_"))
+
+
+def main(argv=None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--out", help="write the results as JSON to this file")
+    parser.add_argument("--quick", action="store_true", help="a few systems of n = 64 and 1000")
+    parser.add_argument("--before", default=BEFORE,
+                        help="git revision of the kernel to compare with (default: the last one "
+                             "without refinement; '' for none)")
+    args = parser.parse_args(argv)
+    from .benchmarks import machine_info
+
+    systems = QUICK_SYSTEMS if args.quick else SYSTEMS
+    kernels = {"after": partitioned}
+    old = committed_kernel(args.before) if args.before else None
+    if old is not None:
+        kernels = {"before": old, **kernels}
+    results = {"machine": machine_info(), "quick": args.quick,
+               "block": partitioned.BLOCK, "kernels": {}}
+    for label, module in kernels.items():
+        start = time.perf_counter()
+        print(f"{label}:", file=sys.stderr)
+        rows = measure(module.solve, systems=systems, log=lambda s: print("  " + s, file=sys.stderr))
+        results["kernels"][label] = dict(rows=rows, seconds=round(time.perf_counter() - start, 1))
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(results, f, indent=1)
+            f.write("\n")
+    return results
+
+
+if __name__ == "__main__":
+    main()
