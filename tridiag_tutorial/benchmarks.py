@@ -553,6 +553,94 @@ def run_torch_kernels(cases=TORCH_KERNEL_CASES, threads=(1, None), min_time=0.2,
     return rows
 
 
+CLIFF_CASES = [(100000, 8), (1024, 256)]  # (batch, n): the issue's batch, and one for n >= 64
+
+
+def _cliff_problems(batch: int, n: int):
+    """The clean float64 problem and two copies with one bad system in the middle: a NaN on the
+    diagonal, and finite inputs whose solution overflows (``A = 1e-300 I``, ``b = 1e300``)."""
+    lower, diag, upper, rhs = _problem(n, batch, torch.float64)
+    mid = batch // 2
+    nan = [t.clone() for t in (lower, diag, upper, rhs)]
+    nan[1][mid, n // 2] = float("nan")
+    big = [t.clone() for t in (lower, diag, upper, rhs)]
+    big[0][mid], big[2][mid], big[1][mid], big[3][mid] = 0.0, 0.0, 1e-300, 1e300
+    return {"clean": (lower, diag, upper, rhs), "one NaN system": nan,
+            "one overflowing system": big}
+
+
+def _cliff_kernels(log):
+    """Kernel name -> (context factory, which n it takes): LAPACK, the C++ kernel if it builds,
+    the sequential and the partitioned torch kernels."""
+    def partitioned():
+        return torch_kernel_on_cpu()
+    found = {"LAPACK": (_lapack_kernel, lambda n: True)}
+    if _load_cpp_kernel(log):
+        found["C++ kernel"] = (_cpp_kernel, lambda n: True)
+    found["sequential torch kernel"] = (_sequential_torch_kernel,
+                                        lambda n: n <= TORCH_KERNEL_MAX_N)
+    found["partitioned torch kernel"] = (partitioned, lambda n: n >= 64)
+    return found
+
+
+def run_cliffs(cases=CLIFF_CASES, threads=(1,), min_time=0.2, repeats=15, kernels_wanted=None,
+               log=print):
+    """Time, interleaved in one process, a clean batch against the same batch with one NaN system
+    and with one overflowing system, for ``tridiagonal_solve``, ``tridiagonal_lu_factor`` and
+    ``tridiagonal_lu_solve``, on each kernel (issue 23: one bad system must cost at most 2x).
+    Returns rows with ``kernel``, ``op``, ``input``, ``batch``, ``n``, ``seconds`` and ``ratio``
+    (dirty / clean, 1.0 for the clean row); a call that raises gives ``seconds = None`` and its
+    ``error``."""
+    rows = []
+    found = _cliff_kernels(log)
+    for name in kernels_wanted or list(found):
+        if name not in found:
+            log(f"  cliffs: no {name} rows (the kernel is not available)")
+            continue
+        context, takes = found[name]
+        for actual in _each_thread_count(threads):
+            for batch, n in cases:
+                if not takes(n):
+                    continue
+                problems = _cliff_problems(batch, n)
+                with context():
+                    factors = {}
+                    for label, (lo, d, up, _) in problems.items():
+                        try:
+                            factors[label] = tridiagonal_lu_factor(lo, d, up)
+                        except Exception as err:  # recorded in the factored-solve rows
+                            factors[label] = err
+                    ops = {
+                        "solve": lambda p, label: lambda: tridiagonal_solve(*p),
+                        "factor": lambda p, label: lambda: tridiagonal_lu_factor(*p[:3]),
+                        "factored solve": lambda p, label: lambda: tridiagonal_lu_solve(
+                            factors[label], p[3]),
+                    }
+                    for op, make in ops.items():
+                        fns, errors = {}, {}
+                        for label, p in problems.items():
+                            fn = make(p, label)
+                            try:
+                                fn()
+                                fns[label] = fn
+                            except Exception as err:
+                                errors[label] = f"{type(err).__name__}: {str(err).splitlines()[0]}"
+                        medians = _time_interleaved(fns, min_time, repeats)
+                        for label in problems:
+                            seconds = medians.get(label)
+                            clean = medians.get("clean")
+                            row = dict(kernel=name, op=op, input=label, batch=batch, n=n,
+                                       threads=actual, seconds=seconds,
+                                       ratio=seconds / clean if seconds and clean else None,
+                                       error=errors.get(label))
+                            rows.append(row)
+                            log(f"  cliffs  {name:24s} {op:14s} {batch:>6d} x {n:<4d} "
+                                f"{label:22s} " + (f"{seconds * 1e3:9.3f} ms  ratio "
+                                                   f"{row['ratio']:.2f}" if seconds
+                                                   else f"error {row['error']}"))
+    return rows
+
+
 def _case(row) -> tuple:
     """What a result row measured: implementation, mode, compiled or not, shape, dtype, threads."""
     return tuple(row.get(k) for k in ("impl", "mode", "compiled", "n", "batch", "dtype",
@@ -774,12 +862,17 @@ def main(argv=None):
                         help="run only the interleaved comparison with JAX (run_against_jax; the "
                              "full suite runs it at its end when jax is installed); with --merge, "
                              "keep the rest of the merged file")
+    parser.add_argument("--cliffs-only", action="store_true",
+                        help="run only the cliffs experiment (run_cliffs: a clean batch against one "
+                             "NaN or overflowing system, every kernel); with --merge, keep the rest")
     parser.add_argument("--torch-kernels-only", action="store_true",
                         help="run only the experiment on the kernels in torch ops "
                              "(run_torch_kernels); with --merge, keep the rest of the merged file")
     opts = parser.parse_args(argv)
     if opts.compiled_only:
         return _main_experiment(opts, "compiled_kernel", run_compiled_kernel, [(8, 16), (100, 0)])
+    if opts.cliffs_only:
+        return _main_experiment(opts, "cliffs", run_cliffs, [(16, 8), (8, 64)])
     if opts.torch_kernels_only:
         return _main_experiment(opts, "torch_kernels", run_torch_kernels, [(16, 4), (100, 0)])
     if opts.jax_only:
