@@ -21,11 +21,19 @@ BATCH = DIAG + torch.arange(3, dtype=torch.float64)[:, None]  # 3 diagonals for 
 
 
 def dense(lower, diag, upper, rhs):
-    return torch.linalg.inv(to_dense(lower, diag, upper)) @ rhs
+    """The dense reference; ``rhs`` is ``(*batch, n)``, its batch broadcast with the bands'."""
+    return (torch.linalg.inv(to_dense(lower, diag, upper)) @ rhs.unsqueeze(-1)).squeeze(-1)
 
 
-def cases(solve):
-    """Each entry: a function of nothing that applies one composition to ``solve``."""
+def cases(solve, lower=LOWER, diag=DIAG, upper=UPPER, rhs=RHS, batch=None):
+    """Each entry: a function of nothing that applies one composition to ``solve`` on the system
+    ``(lower, diag, upper, rhs)`` (by default the n = 5 one above; ``tests/test_kernel_matrix.py``
+    runs the same cases on every kernel and at other sizes); ``batch`` stacks diagonals for
+    ``vmap`` (by default three shifted copies of ``diag``)."""
+    if batch is None:
+        batch = diag + torch.arange(3, dtype=diag.dtype).reshape(3, *[1] * diag.ndim)
+    LOWER, DIAG, UPPER, RHS, BATCH = lower, diag, upper, rhs, batch  # noqa: N806
+
     def x(d):
         return solve(LOWER, d, UPPER, RHS)
 
@@ -170,3 +178,61 @@ def test_kernel_choice_is_local_to_a_thread(monkeypatch):
         done.set()
         thread.join()
     assert used == ["lapack"]
+
+
+def _factored(lower, diag, upper, rhs):
+    from tridiag_tutorial import tridiagonal_lu_factor, tridiagonal_lu_solve
+    return tridiagonal_lu_solve(tridiagonal_lu_factor(lower, diag, upper), rhs)
+
+
+@pytest.mark.parametrize("fullgraph", [False, True])
+@pytest.mark.parametrize("path", ["solve", "factored"])
+@pytest.mark.parametrize("dynamic", [True, None], ids=["dynamic", "automatic-dynamic"])
+def test_jacfwd_compiles_with_dynamic_shapes(path, fullgraph, dynamic):
+    """torch.compile(jacfwd(f), dynamic=True) raised "Cannot call storage_offset() on tensor with
+    symbolic sizes/strides"; with automatic dynamic shapes (dynamic=None) the second size hit it."""
+    solve = tridiagonal_solve if path == "solve" else _factored
+    compiled = torch.compile(lambda l, d, u, b: jacfwd(lambda d: solve(l, d, u, b))(d),
+                             fullgraph=fullgraph, dynamic=dynamic, backend="aot_eager")
+    for n in (5, 7, 9):
+        args = make_system(n, seed=n)
+        reference = jacfwd(lambda d: dense(args[0], d, args[2], args[3]))(args[1])
+        torch.testing.assert_close(compiled(*args), reference, rtol=1e-9, atol=1e-11)
+
+
+@pytest.mark.parametrize("tangent", ["batched", "unbatched"])
+def test_vmap_of_jvp_over_rhs_compiles_with_dynamic_shapes(tangent):
+    """The primal vmapped over rhs (its vmapped dimension innermost in memory), the tangent
+    vmapped with it or not: the tangent keeps or gets the primal's layout."""
+    def f(solve, l, d, u, b):
+        t = b.flip(-1)
+        return vmap(lambda bb: jvp(lambda b: solve(l, d, u, b), (bb,),
+                                   (2 * bb if tangent == "batched" else t,))[1])(
+            torch.stack([b, b + 1, 3 * b]))
+    compiled = torch.compile(lambda *a: f(tridiagonal_solve, *a), dynamic=True, backend="aot_eager")
+    for n in (5, 7):
+        args = make_system(n, seed=n)
+        torch.testing.assert_close(compiled(*args), f(dense, *args), rtol=1e-9, atol=1e-11)
+
+
+@pytest.mark.parametrize("n", [5, 100], ids=["sequential", "partitioned"])
+@pytest.mark.parametrize("path", ["solve", "factored"])
+def test_checkpoint_recomputes_on_the_forwards_kernel(monkeypatch, n, path):
+    """Forward under torch_kernel_on_cpu() inside a non-reentrant checkpoint, backward after the
+    block: the recomputation runs on the forward's kernel (it ran on LAPACK, and torch raised
+    CheckpointError: 7 tensors saved in the forward, 5 in the recomputation)."""
+    from torch.utils.checkpoint import checkpoint
+
+    from tridiag_tutorial import kernels, lapack
+
+    solve = tridiagonal_solve if path == "solve" else _factored
+    lower, diag, upper, rhs = make_system(n, seed=n)
+    d = diag.clone().requires_grad_()
+    with kernels.torch_kernel_on_cpu():
+        value = checkpoint(lambda d: solve(lower, d, upper, rhs).pow(2).sum(), d,
+                           use_reentrant=False)
+    for name in ("solve", "gtsv", "factor", "factor_solve"):
+        monkeypatch.setattr(lapack, name, lambda *a, **k: pytest.fail("LAPACK ran after the block"))
+    value.backward()
+    reference = grad(lambda d: dense(lower, d, upper, rhs).pow(2).sum())(diag)
+    torch.testing.assert_close(d.grad, reference, rtol=1e-9, atol=1e-11)

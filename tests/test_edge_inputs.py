@@ -91,7 +91,9 @@ def test_nan_stays_in_its_system_and_the_batch_stays_joined(monkeypatch):
     assert torch.isnan(x[17]).any() and torch.isfinite(x[torch.arange(50) != 17]).all()
     others = torch.arange(50) != 17
     assert_close(x[others], dense_solve(lower[others], diag[others], upper[others], rhs[others]))
-    assert calls == [50 * 6, 49 * 6, 6]  # joined; joined again without it; the NaN system alone
+    # joined; then, in batch order, the systems before it joined, the NaN system alone and the
+    # systems after it joined (lapack._settle)
+    assert calls == [50 * 6, 17 * 6, 6, 32 * 6]
 
 
 def test_overflow_in_a_finite_system_falls_back_to_one_solve_each():
@@ -117,3 +119,29 @@ def test_singular_message_has_one_format_with_or_without_nan():
     rhs[0, 1] = float("nan")
     with pytest.raises(torch.linalg.LinAlgError, match=expected):
         tridiagonal_solve(lower, diag, upper, rhs)
+
+
+def test_jit_trace_of_the_factorization_is_refused_with_advice():
+    """Issue 23: the trace held the example's factors as a constant, with only a TracerWarning."""
+    from tridiag_tutorial import tridiagonal_lu_factor
+    args = make_system(4, seed=13)[:3]
+    with pytest.raises(RuntimeError, match=r"tridiagonal_lu_factor: torch.jit.trace .*torch.compile"):
+        torch.jit.trace(lambda *a: tridiagonal_lu_factor(*a).lu, args)
+
+
+@pytest.mark.parametrize("name", ["tridiagonal_solve", "tridiagonal_lu_factor",
+                                  "tridiagonal_lu_solve"])
+def test_jit_script_names_the_function_and_the_alternative(name):
+    """Issue 23: torch.jit.script raised "Compiled functions can't take variable number of
+    arguments" (or a complaint about f-strings, try blocks) from deep inside the validation."""
+    import tridiag_tutorial
+    fn = getattr(tridiag_tutorial, name)
+    expected = rf"{name}: torch.jit.script cannot compile .*torch.compile.*torch.export"
+    with pytest.raises(RuntimeError, match=expected):
+        torch.jit.script(fn)
+
+    def caller(lower, diag, upper, rhs):  # scripting a caller scripts the callee
+        return fn(lower, diag, upper)
+
+    with pytest.raises(RuntimeError, match=expected):
+        torch.jit.script(caller)

@@ -340,3 +340,160 @@ def test_compile_fullgraph_on_the_pure_torch_kernel():
         expected = torch.autograd.grad(loss(*args), args)
     for g, e in zip(got, expected):
         assert_close(g, e)
+
+
+# --- issue 23: the factors are checked before any kernel uses them -------------------------------
+def tampered(f, index, value):
+    p = f.pivots.clone()
+    p[index] = value
+    return f._replace(pivots=p)
+
+
+@pytest.mark.parametrize("value", ["i", "i+3", "zero", "negative", "huge"])
+@pytest.mark.parametrize("where", ["op", "public"])
+def test_tampered_pivots_raise_on_the_torch_kernel(value, where):
+    """Issue 23: on the torch kernel tampered pivots gave a wrong answer without error. (LAPACK
+    crashed on them: tests/test_fuzz.py runs those in a subprocess.)"""
+    lower, diag, upper, rhs = make_system(6, (2,), 2, seed=21)
+    f = tridiagonal_lu_factor(lower, diag, upper)
+    i = 3
+    bad = {"i": i, "i+3": i + 3, "zero": 0, "negative": -7, "huge": 10**6}[value]
+    t = tampered(f, (1, i), bad)
+    with kernel_context("torch"), pytest.raises(
+            ValueError, match=rf"tridiagonal_lu_solve: pivots\[\.\.\., 3\] = {bad} in batch "
+                              r"element \(1,\) is not a pivot.*1-based: 4 or 5"):
+        if where == "public":
+            tridiagonal_lu_solve(t, rhs)
+        else:
+            torch.ops.tridiag_tutorial.solve_kernel(lower, diag, upper, rhs, t.lu, t.pivots, "N",
+                                                    True)
+
+
+def test_wrong_last_pivot_raises_on_the_torch_kernel():
+    lower, diag, upper, rhs = make_system(4, seed=22)
+    f = tridiagonal_lu_factor(lower, diag, upper)
+    with kernel_context("torch"), pytest.raises(ValueError, match=r"pivots\[\.\.\., 3\] = 3 "
+                                                r"is not a pivot.*1-based: 4 \(the last row\)"):
+        tridiagonal_lu_solve(tampered(f, 3, 3), rhs)
+
+
+def test_tampered_pivots_raise_inside_a_compiled_graph():
+    """The value check runs in the op's real kernel, so a compiled graph checks them too."""
+    torch._dynamo.reset()
+    lower, diag, upper, rhs = make_system(5, (3,), seed=23)
+    f = tridiagonal_lu_factor(lower, diag, upper)
+    with kernel_context("torch"):
+        solve = torch.compile(tridiagonal_lu_solve, fullgraph=True)
+        assert_close(solve(f, rhs), dense(lower, diag, upper, rhs))
+        with pytest.raises(ValueError, match=r"pivots\[\.\.\., 1\] = 9 in batch element \(2,\)"):
+            solve(tampered(f, (2, 1), 9), rhs)
+
+
+@pytest.mark.parametrize("field, bad, error, match", [
+    ("lu", lambda t: t.float(), TypeError, "lu must have the bands' dtype torch.float64, got "
+                                           "torch.float32"),
+    ("lu", lambda t: t.to(torch.complex128), TypeError, "lu must have the bands' dtype"),
+    ("pivots", lambda t: t.long(), TypeError, "pivots must be torch.int32"),
+    ("lu", lambda t: t.to("meta"), ValueError, "same device.*lu on meta"),
+    ("pivots", lambda t: t.to("meta"), ValueError, "same device.*pivots on meta"),
+    ("pivots", lambda t: t[:2], ValueError, "do not fit their bands"),
+    ("lu", lambda t: t.expand(2, 3, 4, 5), ValueError, "do not fit their bands"),
+    ("pivots", lambda t: t.tolist(), TypeError, "pivots must be a torch.Tensor, got list"),
+    ("diag", lambda t: t.tolist(), TypeError, "factors.diag must be a torch.Tensor"),
+])
+@pytest.mark.parametrize("kernel", ["lapack", "torch"])
+def test_factors_metadata_is_checked(kernel, field, bad, error, match):
+    """Issue 23: a float32 lu returned float32 on LAPACK and float64 on the torch kernel, a complex
+    lu gave a complex answer, and meta factors returned an uninitialised CPU tensor."""
+    lower, diag, upper, rhs = make_system(5, (3,), seed=24)
+    f = tridiagonal_lu_factor(lower, diag, upper)
+    f = f._replace(**{field: bad(getattr(f, field))})
+    with kernel_context(kernel), pytest.raises(error, match="tridiagonal_lu_solve: .*" + match):
+        tridiagonal_lu_solve(f, rhs)
+
+
+def test_a_meta_rhs_beside_cpu_factors_raises():
+    lower, diag, upper, rhs = make_system(5, seed=25)
+    f = tridiagonal_lu_factor(lower, diag, upper)
+    with pytest.raises(ValueError, match="tridiagonal_lu_solve: all inputs must be on the same"):
+        tridiagonal_lu_solve(f, rhs.to("meta"))
+
+
+def _kernel_op_cases():
+    """(description, args of solve_kernel / solve, error, match), n = 5."""
+    lower, diag, upper, rhs = make_system(5, (), 1, seed=26)
+    f = tridiagonal_lu_factor(lower, diag, upper)
+    bands = (lower, diag, upper)
+    return [
+        ("7-row rhs", (*bands, torch.ones(7, 1, dtype=torch.float64), None, None, "N"),
+         ValueError, r"rhs must be \(\*batch, n, k\) with n = 5"),
+        ("vector rhs", (*bands, rhs[:, 0], None, None, "N"), ValueError, "rhs must be"),
+        ("lu without pivots", (*bands, rhs, f.lu, None, "N"), ValueError,
+         "lu and pivots must be given together"),
+        ("pivots without lu", (*bands, rhs, None, f.pivots, "N"), ValueError,
+         "lu and pivots must be given together"),
+        ("trans T without factors", (*bands, rhs, None, None, "T"), ValueError,
+         "trans='T' needs the factors"),
+        ("trans X", (*bands, rhs, f.lu, f.pivots, "X"), ValueError, "trans must be 'N'"),
+        ("a band on meta", (lower.to("meta"), diag, upper, rhs, None, None, "N"), ValueError,
+         "same device.*lower on meta"),
+        ("lu on meta", (*bands, rhs, f.lu.to("meta"), f.pivots, "N"), ValueError,
+         "same device.*lu on meta"),
+        ("float32 lu", (*bands, rhs, f.lu.float(), f.pivots, "N"), TypeError,
+         "lu must have the bands' dtype"),
+        ("batched lower", (lower.expand(2, 4), diag, upper, rhs, None, None, "N"), ValueError,
+         "one batch shape"),
+        ("int64 pivots", (*bands, rhs, f.lu, f.pivots.long(), "N"), TypeError,
+         "pivots must be torch.int32"),
+    ]
+
+
+@pytest.mark.parametrize("op", ["solve", "solve_kernel"])
+@pytest.mark.parametrize("kernel", ["lapack", "torch"])
+def test_registered_ops_check_their_arguments(op, kernel):
+    """Issue 23: solve accepted a 7-row rhs for n = 5 on the torch kernel and returned (7, 1); lu
+    without pivots raised AttributeError from NumPy; one band on meta returned an uninitialised
+    CPU tensor."""
+    for what, args, error, match in _kernel_op_cases():
+        with pytest.raises(error, match="tridiag_tutorial::solve_kernel: .*" + match):
+            getattr(torch.ops.tridiag_tutorial, op)(*args, kernel == "torch")
+            pytest.fail(f"no error for {what}")
+
+
+def test_fake_kernels_check_what_the_real_kernels_check():
+    """The fake kernels (torch.compile, torch.export) refuse the same arguments, with the same
+    error, as the real ones."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    for what, args, error, match in _kernel_op_cases():
+        mode = FakeTensorMode(allow_non_fake_inputs=True)
+        fake = [mode.from_tensor(a) if isinstance(a, torch.Tensor) and a.device.type != "meta"
+                else a for a in args]
+        with mode, pytest.raises(error, match="tridiag_tutorial::solve_kernel: .*" + match):
+            torch.ops.tridiag_tutorial.solve_kernel(*fake, False)
+            pytest.fail(f"no error for {what}")
+    lower, diag, upper, _ = make_system(5, (2,), seed=27)
+    for args, match in [((lower.to("meta"), diag, upper), "same device.*lower on meta"),
+                        ((lower[0], diag, upper), "one batch shape"),
+                        ((lower, diag.float(), upper), "same dtype")]:
+        with pytest.raises((ValueError, TypeError), match="tridiag_tutorial::lu_factor: .*" + match):
+            torch.ops.tridiag_tutorial.lu_factor(*args, False)
+
+
+def test_pivot_check_in_torch_ops_agrees_with_the_numpy_one():
+    """The check of other devices (torch ops) and the CPU's (NumPy) flag the same entries."""
+    from tridiag_tutorial import _validation
+    g = torch.Generator().manual_seed(28)
+    for n in (1, 2, 7):
+        rows = torch.arange(1, n + 1, dtype=torch.int32)
+        p = rows + torch.randint(-3, 4, (50, n), generator=g, dtype=torch.int32)
+        p[:5] = torch.tensor([-2**31, 2**31 - 1, 0, 10**6, n + 1])[:5, None].int()
+        mask = _validation._bad_pivots_in_torch(p)
+        step = p.long() - rows.long()
+        expected = (step < 0) | (step > 1) | ((step != 0) & (rows == n))  # independent, in int64
+        assert torch.equal(mask, expected)
+        for j in range(p.shape[0]):
+            if bool(expected[j].any()):
+                with pytest.raises(ValueError, match=rf"pivots\[\.\.\., {int(expected[j].int().argmax())}\]"):
+                    _validation.check_pivot_values(p[j])
+            else:
+                _validation.check_pivot_values(p[j])

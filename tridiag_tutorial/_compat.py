@@ -10,6 +10,8 @@ that functorch itself uses for the same purpose (``torch/_functorch/autograd_fun
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 from torch._C import _functorch
 from torch._C._functorch import TransformType
@@ -20,7 +22,7 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 __all__ = ["SingleLevelFunction", "enable_single_level_autograd_function",
            "forward_transform_depth", "differentiation_depth", "mode_active", "transform_active",
-           "forward_ad_active", "is_functorch_tensor"]
+           "forward_ad_active", "is_functorch_tensor", "checkpoint_state"]
 
 #: An ``autograd.Function`` whose ``apply`` records one autograd node on the tensors it is given,
 #: at the current functorch level, without functorch's ``custom_function_call`` (which needs the
@@ -65,3 +67,42 @@ def is_functorch_tensor(t: torch.Tensor) -> bool:
     legacy batched tensor of ``gradcheck``'s batched checks), not plain data."""
     return (_functorch.is_functorch_wrapped_tensor(t) or _functorch.is_batchedtensor(t)
             or _functorch.is_legacy_batchedtensor(t))
+
+
+# torch.utils.checkpoint (use_reentrant=False) recomputes a forward at backward time, outside the
+# caller's `with` blocks; the kernel choice of tridiag_tutorial.kernels is context-local, so the
+# recomputation must be told the choice that the forward made (kernels.same_kernels_as_forward).
+def _find_checkpoint_frame(obj, depth: int = 0):
+    """The ``_CheckpointFrame`` that a checkpoint hook function closes over (directly, through a
+    weak reference, or through the function it wraps), else ``None``."""
+    from torch.utils.checkpoint import _CheckpointFrame
+
+    if isinstance(obj, _CheckpointFrame):
+        return obj
+    if isinstance(obj, weakref.ReferenceType):
+        return _find_checkpoint_frame(obj(), depth + 1) if depth < 3 else None
+    if depth < 3 and callable(obj):
+        for cell in getattr(obj, "__closure__", None) or ():
+            try:
+                found = _find_checkpoint_frame(cell.cell_contents, depth + 1)
+            except ValueError:  # an empty cell
+                continue
+            if found is not None:
+                return found
+    return None
+
+
+def checkpoint_state():
+    """``(frame, hook)`` while a non-reentrant ``torch.utils.checkpoint`` forward
+    (``hook is None``) or its recomputation (``hook``: that recomputation's pack hook) runs,
+    with ``frame`` the checkpoint's ``_CheckpointFrame``; ``(None, None)`` otherwise."""
+    hooks = torch._C._autograd._top_saved_tensors_default_hooks(False)
+    if not hooks:
+        return None, None
+    pack = hooks[0]
+    name = getattr(pack, "__qualname__", "") or getattr(getattr(pack, "__wrapped__", None),
+                                                          "__qualname__", "")
+    frame = _find_checkpoint_frame(pack)
+    if frame is None:
+        return None, None
+    return (frame, None) if name.startswith("_checkpoint_hook.") else (frame, pack)

@@ -15,17 +15,26 @@ JAX's ``jax.lax.linalg.tridiagonal_solve(dl, d, du, b)`` differs: its three band
 columns per system, shape ``(..., n, k)``, when ``rhs.ndim == diag.ndim + 1``. The batch
 dimensions ``...`` of the four inputs broadcast against each other.
 
-Nothing below this module checks its inputs again: the kernels receive four tensors of one dtype,
-on one device, with the same batch shape and a matrix right-hand side ``(*batch, n, k)``.
+The public functions check their inputs here once; the kernels then receive four tensors of one
+dtype, on one device, with the same batch shape and a matrix right-hand side ``(*batch, n, k)``.
+The registered ops (``tridiag_tutorial::solve``, ``::solve_kernel``, ``::lu_factor``), which a
+compiled or exported graph calls and which anyone can call directly, check the same contract on
+metadata alone (:func:`validate_kernel_args`, :func:`validate_factor_args`), in their real and
+their fake kernels alike, and the kernels that solve from factors check the pivot values
+(:func:`check_pivot_values`) before anything indexes with them: LAPACK's ``?gttrs`` trusts
+``ipiv``, and a value outside ``{i+1, i+2}`` makes it read and write outside its arrays.
 """
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
+import numpy as np
 import torch
 
-__all__ = ["SUPPORTED_DTYPES", "Problem", "validate", "validate_bands"]
+__all__ = ["SUPPORTED_DTYPES", "Problem", "validate", "validate_bands", "validate_factors",
+           "validate_kernel_args", "validate_factor_args", "check_pivot_values"]
 
 SUPPORTED_DTYPES = (torch.float32, torch.float64, torch.complex64, torch.complex128)
 _NAMES = ("lower", "diag", "upper", "rhs")
@@ -147,3 +156,145 @@ def _check(tensors, name: str) -> int:
         )
     return n
 
+
+
+def _check_dense(arg: str, t, name: str) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name}: {arg} must be a torch.Tensor, got {type(t).__name__}")
+    if t.is_nested or t.layout != torch.strided:
+        layout = f"{t.layout} (nested)" if t.is_nested else t.layout
+        raise TypeError(f"{name}: {arg} must be a dense (torch.strided) tensor, got layout {layout}")
+
+
+def validate_factors(lu, pivots, diag, *, name: str) -> None:
+    """Check the factors ``(lu, pivots)`` against the matrix whose diagonal is ``diag``
+    ``(*batch, n)``, on metadata alone (no data is read; :func:`check_pivot_values` reads the
+    pivot values where a kernel is about to use them).
+
+    Raises:
+        TypeError: ``lu`` or ``pivots`` is not a dense tensor; ``lu``'s dtype is not ``diag``'s (a
+            float32 ``lu`` beside float64 bands, or a complex one beside real bands, would change
+            the result's dtype); ``pivots`` is not int32.
+        ValueError: they are not on ``diag``'s device (a meta tensor beside CPU tensors included);
+            their shapes are not ``lu`` ``(*batch, 4, n)`` and ``pivots`` ``(*batch, n)``.
+    """
+    _check_dense("lu", lu, name)
+    _check_dense("pivots", pivots, name)
+    if lu.dtype != diag.dtype:
+        raise TypeError(f"{name}: lu must have the bands' dtype {diag.dtype}, got {lu.dtype}; make "
+                        "the factors with tridiagonal_lu_factor from these bands")
+    if pivots.dtype != torch.int32:
+        raise TypeError(f"{name}: pivots must be torch.int32 (LAPACK's ipiv), got {pivots.dtype}; "
+                        "make the factors with tridiagonal_lu_factor")
+    if lu.device != diag.device or pivots.device != diag.device:
+        raise ValueError(f"{name}: all inputs must be on the same device, got the bands on "
+                         f"{diag.device}, lu on {lu.device}, pivots on {pivots.device}")
+    batch, n = diag.shape[:-1], diag.shape[-1]
+    if lu.shape != (*batch, 4, n) or pivots.shape != (*batch, n):
+        raise ValueError(
+            f"{name}: the factors do not fit their bands: expected lu {(*batch, 4, n)} and int32 "
+            f"pivots {(*batch, n)}, got lu {tuple(lu.shape)} and pivots {tuple(pivots.shape)}; "
+            "make them with tridiagonal_lu_factor")
+
+
+def validate_kernel_args(lower, diag, upper, rhs, lu, pivots, trans, *, name: str) -> None:
+    """The contract of the kernels (:func:`tridiag_tutorial.kernels.solve`), checked on metadata
+    alone, so that the real and the fake kernel of a registered op check exactly the same thing:
+    four dense tensors of one supported dtype on one device, the bands ``(*B, n-1)``, ``(*B, n)``,
+    ``(*B, n-1)`` and ``rhs`` ``(*B, n, k)`` with one batch shape ``B`` (no broadcasting: the
+    public functions broadcast), ``trans`` one of ``'N'``, ``'T'``, ``'C'`` (``'N'`` without
+    factors), and ``lu`` and ``pivots`` both given (checked by :func:`validate_factors`) or both
+    ``None``.
+
+    Raises:
+        TypeError, ValueError: naming the argument and the shapes, dtypes or devices.
+    """
+    n = _check((lower, diag, upper, rhs), name)
+    batch = diag.shape[:-1]
+    if rhs.ndim != diag.ndim + 1 or rhs.shape[-2] != n:
+        raise ValueError(f"{name}: rhs must be (*batch, n, k) with n = {n}; got "
+                         f"{_describe((lower, diag, upper, rhs))}")
+    if lower.shape[:-1] != batch or upper.shape[:-1] != batch or rhs.shape[:-2] != batch:
+        raise ValueError(f"{name}: the inputs must have one batch shape (this op does not "
+                         f"broadcast); got {_describe((lower, diag, upper, rhs))}")
+    if not isinstance(trans, str) or trans not in ("N", "T", "C"):
+        raise ValueError(f"{name}: trans must be 'N', 'T' or 'C', got {trans!r}")
+    if (lu is None) != (pivots is None):
+        raise ValueError(f"{name}: lu and pivots must be given together or both be None; got "
+                         f"lu={'None' if lu is None else 'a tensor'}, "
+                         f"pivots={'None' if pivots is None else 'a tensor'}")
+    if lu is None:
+        if trans != "N":
+            raise ValueError(f"{name}: trans={trans!r} needs the factors (lu, pivots); without "
+                             "them pass the bands of the transposed matrix and trans='N'")
+        return
+    validate_factors(lu, pivots, diag, name=name)
+
+
+def validate_factor_args(lower, diag, upper, *, name: str) -> None:
+    """The contract of :func:`tridiag_tutorial.kernels.factor`, on metadata alone (for the real
+    and the fake kernel of ``tridiag_tutorial::lu_factor``): three dense bands of one supported
+    dtype, on one device, of one batch shape.
+
+    Raises:
+        TypeError, ValueError: as :func:`validate_bands`, and when the batch shapes differ.
+    """
+    _check((lower, diag, upper), name)
+    batch = diag.shape[:-1]
+    if lower.shape[:-1] != batch or upper.shape[:-1] != batch:
+        raise ValueError(f"{name}: the bands must have one batch shape (this op does not "
+                         f"broadcast); got {_describe((lower, diag, upper))}")
+
+
+@functools.lru_cache(maxsize=8)
+def _pivot_rows(n: int):
+    """``(rows, limit)`` for :func:`check_pivot_values` on the CPU: the 1-based row numbers
+    (int32) and the largest allowed step (uint32: 1, and 0 in the last row)."""
+    rows = np.arange(1, n + 1, dtype=np.int32)
+    limit = (rows < n).astype(np.uint32)
+    rows.flags.writeable = limit.flags.writeable = False
+    return rows, limit
+
+
+def _bad_pivots_in_torch(pivots: torch.Tensor) -> torch.Tensor:
+    """:func:`check_pivot_values`'s mask of bad entries in torch ops, on the pivots' device."""
+    n = pivots.shape[-1]
+    rows = torch.arange(1, n + 1, dtype=torch.int32, device=pivots.device)
+    step = pivots - rows
+    return (step < 0) | (step > (rows < n))
+
+
+def check_pivot_values(pivots, *, name: str = "tridiagonal_lu_solve") -> None:
+    """Check that ``pivots`` ``(*batch, n)`` holds values that ``?gttrf`` can produce: 1-based,
+    ``pivots[..., i]`` is ``i + 1`` or ``i + 2`` for ``i < n - 1`` and ``pivots[..., n - 1]`` is
+    ``n``. Anything else would make ``?gttrs`` index outside its arrays (a crash or a silently
+    wrong answer; the pure-torch kernel would answer wrongly). Vectorised: a few elementwise
+    operations and one read back from the device; on the CPU on a NumPy view of the data.
+
+    Raises:
+        ValueError: a value is out of range; the message gives the first such entry, its batch
+            element and what it may be.
+    """
+    n = pivots.shape[-1]
+    if pivots.numel() == 0:
+        return
+    # step = pivots - (i + 1) must be 0 (no interchange) or 1 (rows i, i+1 swapped), and 0 in the
+    # last row. int32 differences wrap, but never onto 0 or 1 (|i + 1| < 2^31 - 1).
+    if pivots.device.type == "cpu":  # on a NumPy view: a NumPy operation costs a fraction of torch's
+        rows, limit = _pivot_rows(n)
+        bad = (pivots.numpy() - rows).view(np.uint32) > limit  # a negative step is a huge uint32
+    else:
+        bad = _bad_pivots_in_torch(pivots)
+    if not bool(bad.any()):  # one read back from the device
+        return
+    flat = np.asarray(bad.cpu() if isinstance(bad, torch.Tensor) else bad).reshape(-1, n)
+    values = (pivots.cpu().numpy() if isinstance(pivots, torch.Tensor) else pivots).reshape(-1, n)
+    element, i = (int(j[0]) for j in np.nonzero(flat))
+    allowed = f"{i + 1} or {i + 2}" if i < n - 1 else f"{n} (the last row)"
+    where = ""
+    if pivots.ndim > 1:
+        where = f" in batch element {tuple(int(j) for j in np.unravel_index(element, pivots.shape[:-1]))}"
+    raise ValueError(
+        f"{name}: pivots[..., {i}] = {int(values[element, i])}{where} is not a pivot that LU with "
+        f"partial pivoting produces (1-based: {allowed}); pass the pivots that "
+        "tridiagonal_lu_factor returned, unmodified")

@@ -21,14 +21,16 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
+import weakref
 
 import torch
 
-from . import compiled, lapack, partitioned
+from . import _compat, _validation, compiled, lapack, partitioned
 from . import torch_kernel as _pure_torch  # a module; "torch_kernel" below is the kernel choice
 
 __all__ = ["torch_kernel_on_cpu", "use_compiled", "compiled_pays", "cpp_autograd_pays",
-           "use_partitioned", "partitioned_pays", "solve", "factor"]
+           "use_partitioned", "partitioned_pays", "solve", "factor", "same_kernels_as_forward"]
 
 # Which kernel a CPU tensor goes to is context-local state (a ContextVar: each thread, and each
 # asyncio task, has its own), never a module global: a block in one thread cannot change the kernel
@@ -143,8 +145,9 @@ def partitioned_pays(rhs: torch.Tensor) -> bool:
     sequential one: for ``n >= PARTITIONED_MIN_N`` unknowns, whatever the batch.
 
     The sequential kernel dispatches about 37 operations per row (36,990 for n = 1000), the
-    partitioned one a number that grows like ``log n`` (1,020 for n = 1000, 1,558 for n = 1e5,
-    1,818 for n = 1e6, with blocks of ``tridiag_tutorial.partitioned.BLOCK`` = 4 rows), each on
+    partitioned one a number that grows like ``log n`` (1,989 for n = 1000, 2,986 for n = 1e5,
+    3,472 for n = 1e6, with blocks of ``tridiag_tutorial.partitioned.BLOCK`` = 4 rows, its
+    refinement included; 1,020, 1,558 and 1,818 before refinement was added), each on
     more data. Measured on the CPU (the only device measured; ``python -m
     tridiag_tutorial.benchmarks --torch-kernels-only``, float64, 1 and 2 threads, the committed
     ``torch_kernels`` rows), partitioned / sequential time at n = 64 was 0.29 to 0.33 for one
@@ -154,11 +157,52 @@ def partitioned_pays(rhs: torch.Tensor) -> bool:
     the partitioned kernel does more arithmetic. The rule ignores the batch all the same, because
     these kernels are made for devices where every operation is a kernel launch of several
     microseconds: there 1024 systems of n = 64 cost 2,358 launches on the sequential kernel and
-    596 on the partitioned one. That part is a judgement from the operation counts, not a GPU
+    1,210 on the partitioned one (596 before refinement; the times above were measured before it
+    too). That part is a judgement from the operation counts, not a GPU
     measurement. Inside ``use_partitioned(False)`` it is never taken. ``rhs`` is the validated
     ``(*B, n, k)`` right-hand side.
     """
     return rhs.shape[-2] >= PARTITIONED_MIN_N and _partitioned_allowed()
+
+
+_CHOICES = (_TORCH_KERNEL_ON_CPU, _USE_COMPILED, _USE_PARTITIONED)
+_RECORD = "_tridiag_tutorial_kernel_choices"  # on torch.utils.checkpoint's frame: one per call
+_REPLAYED = "_tridiag_tutorial_replayed"      # per recomputation: how many it has used
+
+
+def same_kernels_as_forward(function):
+    """``function`` (a public function of :mod:`tridiag_tutorial.ops`), run under
+    ``torch.utils.checkpoint(..., use_reentrant=False)`` on the kernels its forward chose.
+
+    The checkpoint recomputes the forward when the backward needs it, after the caller's
+    :func:`torch_kernel_on_cpu`, :func:`use_compiled` or :func:`use_partitioned` block may have
+    ended; without this the recomputation ran on another kernel and saved other tensors (torch
+    raised ``CheckpointError``: 7 tensors saved in the forward, 5 in the recomputation). So in a
+    checkpointed forward each call records the three choices on the checkpoint's frame, and the
+    recomputation replays them, call by call in the same order. Outside a checkpoint, and while
+    compiling (a compiled function keeps the choice it was traced with), it only calls
+    ``function``."""
+    @functools.wraps(function)
+    def wrapper(*args, **kwargs):
+        if torch.compiler.is_compiling():
+            return function(*args, **kwargs)
+        frame, recomputation = _compat.checkpoint_state()
+        if frame is None:
+            return function(*args, **kwargs)
+        record = frame.__dict__.setdefault(_RECORD, [])
+        if recomputation is None:  # the checkpointed forward: record this call's choices
+            record.append(tuple(var.get() for var in _CHOICES))
+            return function(*args, **kwargs)
+        replayed = frame.__dict__.setdefault(_REPLAYED, weakref.WeakKeyDictionary())
+        index = replayed.get(recomputation, 0)
+        replayed[recomputation] = index + 1
+        if index >= len(record):  # not in the forward: nothing to replay (torch reports it)
+            return function(*args, **kwargs)
+        with contextlib.ExitStack() as stack:
+            for var, value in zip(_CHOICES, record[index]):
+                stack.enter_context(_setting(var, value))
+            return function(*args, **kwargs)
+    return wrapper
 
 
 def lapack_solves(rhs: torch.Tensor, torch_kernel: bool) -> bool:
@@ -202,6 +246,7 @@ def solve(lower, diag, upper, rhs, lu, pivots, trans: str, torch_kernel: bool):
         if partitioned_pays(rhs):
             return partitioned.solve(lower, diag, upper, rhs)
         return _pure_torch.solve(lower, diag, upper, rhs)
+    _validation.check_pivot_values(pivots)  # ?gttrs trusts them: a bad value reads out of bounds
     if on_cpu:
         return torch.from_numpy(lapack.factor_solve(*_numpy(lu, pivots, rhs), trans))
     return _pure_torch.lu_solve(lu, pivots, rhs, trans)
