@@ -121,13 +121,7 @@ def _check(tensors, name: str) -> int:
     """The checks that do not involve ``rhs``'s shape; returns ``n``."""
     lower, diag, upper = tensors[:3]
     for arg, t in zip(_NAMES, tensors):
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{name}: {arg} must be a torch.Tensor, got {type(t).__name__}")
-        if t.is_nested or t.layout != torch.strided:
-            layout = f"{t.layout} (nested)" if t.is_nested else t.layout
-            raise TypeError(
-                f"{name}: {arg} must be a dense (torch.strided) tensor, got layout {layout}; "
-                f"convert it with .to_dense() (sparse) or .unbind() / .to_padded_tensor() (nested)")
+        _check_dense(arg, t, name)
 
     dtypes = {t.dtype for t in tensors}
     if len(dtypes) > 1:
@@ -157,13 +151,14 @@ def _check(tensors, name: str) -> int:
     return n
 
 
-
 def _check_dense(arg: str, t, name: str) -> None:
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name}: {arg} must be a torch.Tensor, got {type(t).__name__}")
     if t.is_nested or t.layout != torch.strided:
         layout = f"{t.layout} (nested)" if t.is_nested else t.layout
-        raise TypeError(f"{name}: {arg} must be a dense (torch.strided) tensor, got layout {layout}")
+        raise TypeError(
+            f"{name}: {arg} must be a dense (torch.strided) tensor, got layout {layout}; "
+            f"convert it with .to_dense() (sparse) or .unbind() / .to_padded_tensor() (nested)")
 
 
 def validate_factors(lu, pivots, diag, *, name: str) -> None:
