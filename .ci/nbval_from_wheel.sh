@@ -27,5 +27,11 @@ repo, where = Path(sys.argv[1]).resolve(), Path(tridiag_tutorial.__file__).resol
 assert repo not in where.parents, f"tridiag_tutorial imported from the repository: {where}"
 assert "site-packages" in where.parts, f"tridiag_tutorial not from the installed wheel: {where}"
 print(f"tridiag_tutorial {tridiag_tutorial.__version__} from the wheel: {where.parent}")
+import shutil
+# The chapters print what the C++ kernel does: where a compiler exists, the wheel must hold it.
+if shutil.which("c++") and not tridiag_tutorial.cpp_available():
+    from tridiag_tutorial import compiled
+    sys.exit(f"the wheel was built without its C++ kernel although c++ is here: {compiled.BUILD_ERROR}")
+print("C++ kernel:", "in the wheel" if tridiag_tutorial.cpp_available() else "not built")
 PY
 "$py" -m pytest -p no:cacheprovider --nbval --nbval-sanitize-with nbval-sanitize.cfg "${@:-.}"

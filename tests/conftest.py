@@ -1,12 +1,9 @@
 """Shared test helpers: one tolerance table keyed by dtype, seeded random systems, kernels."""
 
-import contextlib
-
 import pytest
 import torch
 
 from tridiag_tutorial import dense_solve, kernels
-from tridiag_tutorial.custom_op import torch_kernel_on_cpu
 
 # Tolerances for comparing a tridiagonal solve with the dense reference, keyed by dtype.
 # Single precision is looser: both solvers round, and condition numbers here reach ~1e2.
@@ -32,9 +29,15 @@ def assert_close(actual, expected, dtype=None):
     torch.testing.assert_close(actual, expected, **TOL[dtype])
 
 
-def kernel_context(kernel):
-    """``"torch"``: the pure-torch kernel on CPU (the CUDA code path); ``"lapack"``: the default."""
-    return torch_kernel_on_cpu() if kernel == "torch" else contextlib.nullcontext()
+def torch_ops_driver(n: int) -> str:
+    """The driver that a device other than the CPU gets for systems of ``n`` unknowns: the
+    kernels in torch ops (the CUDA code path), run here on the CPU."""
+    return kernels.choose_driver("cuda", torch.float64, 1, n, False)
+
+
+def driver_for(kernel: str, n: int):
+    """``"torch"``: the kernels in torch ops that another device would run; ``"lapack"``: LAPACK."""
+    return torch_ops_driver(n) if kernel == "torch" else "lapack"
 
 
 def assert_grads_match_dense(grads, args, loss, dtype=None):
@@ -73,57 +76,30 @@ def make_system(n, batch=(), k=None, dtype=torch.float64, seed=0, dominant=False
 
 
 @pytest.fixture(autouse=True)
-def _lapack_unless_asked():
-    """Once a test has loaded the compiled kernel, the package would use it for every CPU batch:
-    tests run on LAPACK unless they ask for the compiled kernel (``kernels.use_compiled(True)``)."""
-    with kernels.use_compiled(False):
-        yield
-
-
-@pytest.fixture(autouse=True)
 def _reset_dynamo():
     """Compiled state left by one test (explain, compile caches) must not leak into another."""
     yield
     torch._dynamo.reset()
 
 
-def load_compiled_or_skip():
-    """Build (or find cached) and load the C++ kernel, returning its op. Skip only where the build
-    cannot even start (no compiler or no ninja) outside CI. In CI (``CI=true``) with a C++
-    compiler on PATH, and anywhere once both tools are there, a failed build is a test failure:
-    ninja is declared with the test tools (requirements-pinned.txt, the ``test`` extra), so a
-    skip there would hide a broken kernel."""
+def require_cpp():
+    """Skip unless the C++ kernel was built at install. Where it should have been built (in CI,
+    ``CI=true``, or wherever a C++ compiler is on PATH: ``make test`` installs with one), its
+    absence is a test failure, not a skip, so a broken build cannot hide."""
     import os
     import shutil
 
     from tridiag_tutorial import compiled
 
-    missing = compiled._missing_tools()
+    if compiled.is_available():
+        return
     in_ci = os.environ.get("CI", "").lower() == "true"
     has_compiler = shutil.which(os.environ.get("CXX", "c++")) is not None
-    if missing and not (in_ci and has_compiler):
-        pytest.skip(f"the C++ kernel cannot be built here: missing {', '.join(missing)}")
-    try:
-        return compiled.load()
-    except Exception as err:
-        pytest.fail(f"compiled.load() failed although the build tools are here: {err}",
-                    pytrace=False)
+    if in_ci or has_compiler:
+        pytest.fail(f"the C++ kernel was not built although a compiler is here: "
+                    f"{compiled.BUILD_ERROR}", pytrace=False)
+    pytest.skip(f"the C++ kernel was not built at install: {compiled.BUILD_ERROR}")
 
 
-# The four kernels a CPU solve can run on, and how each is selected (tests/test_kernel_matrix.py).
-KERNELS = ["lapack", "cpp", "torch-sequential", "torch-partitioned"]
-
-
-@contextlib.contextmanager
-def kernel_selected(kernel):
-    """Within the block, solves run on ``kernel`` (one of :data:`KERNELS`) where the routing rules
-    allow it: "cpp" for batches of >= 2 systems or one system of n <= 3000
-    (``kernels.compiled_pays``), "torch-partitioned" for n >= ``kernels.PARTITIONED_MIN_N``.
-    The caller loads the C++ kernel first (:func:`load_compiled_or_skip`)."""
-    with contextlib.ExitStack() as stack:
-        if kernel == "cpp":
-            stack.enter_context(kernels.use_compiled(True))
-        elif kernel.startswith("torch"):
-            stack.enter_context(kernels.torch_kernel_on_cpu())
-            stack.enter_context(kernels.use_partitioned(kernel == "torch-partitioned"))
-        yield
+# The four kernels a CPU solve can run on: the values of the public functions' ``driver``.
+KERNELS = list(kernels.DRIVERS)

@@ -67,3 +67,44 @@ def test_fast_path_detectors_see_what_they_name():
     with torch.autograd.forward_ad.dual_level():
         assert _compat.forward_ad_active()
     assert not _compat.forward_ad_active()
+
+
+def test_function_apply_records_the_node_without_binding_the_arguments(monkeypatch):
+    """``function_apply`` is ``Function.apply`` without its per-call :mod:`inspect` binding: the
+    same autograd node (gradients flow), ``inspect.signature`` never called; under a
+    ``torch.func`` transform it is ``Function.apply`` itself (which binds)."""
+    import inspect
+
+    from torch.func import vmap
+
+    class Double(torch.autograd.Function):
+        @staticmethod
+        def forward(x):
+            return 2 * x
+
+        @staticmethod
+        def setup_context(ctx, inputs, output):
+            pass
+
+        @staticmethod
+        def backward(ctx, g):
+            return 2 * g
+
+        @staticmethod
+        def vmap(info, in_dims, x):
+            return 2 * x, in_dims[0]
+
+    calls = []
+    real = inspect.signature
+    monkeypatch.setattr(inspect, "signature", lambda *a, **k: calls.append(1) or real(*a, **k))
+    x = torch.ones(3, requires_grad=True)
+    y = _compat.function_apply(Double, x)
+    assert y.grad_fn is not None and type(y.grad_fn).__name__ == "DoubleBackward"
+    (g,) = torch.autograd.grad(y.sum(), x)
+    assert torch.equal(g, torch.full((3,), 2.0)) and calls == []
+    Double.apply(x)
+    assert calls, "Function.apply no longer binds with inspect: function_apply may be dropped"
+    calls.clear()
+    assert torch.equal(vmap(lambda t: _compat.function_apply(Double, t))(torch.ones(2, 3)),
+                       torch.full((2, 3), 2.0))
+    assert calls, "under vmap, function_apply must be Function.apply (which binds)"

@@ -22,7 +22,7 @@ from tridiag_tutorial import (
     tridiagonal_solve,
 )
 
-from conftest import ALL_DTYPES, assert_close, kernel_context, make_system
+from conftest import ALL_DTYPES, assert_close, make_system
 
 TRANS = ["N", "T", "C"]
 
@@ -40,8 +40,14 @@ def dense(lower, diag, upper, rhs, trans="N"):
     return x.squeeze(-1) if vector else x
 
 
-def factored(lower, diag, upper, rhs, trans="N"):
-    return tridiagonal_lu_solve(tridiagonal_lu_factor(lower, diag, upper), rhs, trans)
+# The factor drivers, by the tests' kernel names: "torch" is the sequential kernel in torch ops,
+# the one other devices (CUDA) factor with.
+FACTOR_DRIVER = {"lapack": "lapack", "torch": "sequential"}
+
+
+def factored(lower, diag, upper, rhs, trans="N", driver=None):
+    f = tridiagonal_lu_factor(lower, diag, upper, driver=driver)
+    return tridiagonal_lu_solve(f, rhs, trans, driver=driver)
 
 
 @pytest.mark.parametrize("kernel", ["lapack", "torch"])
@@ -51,8 +57,7 @@ def factored(lower, diag, upper, rhs, trans="N"):
                                          (7, (), 4)])
 def test_solve_with_factors_matches_dense(kernel, dtype, trans, n, batch, k):
     args = make_system(n, batch, k, dtype=dtype, seed=n)
-    with kernel_context(kernel):
-        x = factored(*args, trans)
+    x = factored(*args, trans, driver=FACTOR_DRIVER[kernel])
     assert x.shape == args[3].shape and x.dtype == dtype
     assert_close(x, dense(*args, trans), dtype)
 
@@ -100,9 +105,9 @@ def test_inputs_are_not_modified(batch):
 def test_gradcheck_through_the_factors(kernel, dtype, trans):
     """Reverse, forward and second-order derivatives with respect to the bands and rhs."""
     args = make_system(5, (2,), 2, dtype=dtype, requires_grad=True, seed=4)
-    with kernel_context(kernel):
-        assert gradcheck(lambda *a: factored(*a, trans), args, check_forward_ad=True)
-        assert gradgradcheck(lambda *a: factored(*a, trans), args)
+    driver = FACTOR_DRIVER[kernel]
+    assert gradcheck(lambda *a: factored(*a, trans, driver=driver), args, check_forward_ad=True)
+    assert gradgradcheck(lambda *a: factored(*a, trans, driver=driver), args)
 
 
 @pytest.mark.parametrize("trans", TRANS)
@@ -185,7 +190,7 @@ def test_vmap_over_the_rhs_alone_is_one_solve_with_more_columns(monkeypatch, sol
             return _f(*a, **k)
         monkeypatch.setattr(lapack, name, spy)
     if solve == "tridiagonal_solve":
-        x = vmap(lambda b: tridiagonal_solve(lower, diag, upper, b))(rhs)
+        x = vmap(lambda b: tridiagonal_solve(lower, diag, upper, b, driver="lapack"))(rhs)
     else:
         f = tridiagonal_lu_factor(lower, diag, upper)
         x = vmap(lambda b: tridiagonal_lu_solve(f, b))(rhs)
@@ -281,15 +286,14 @@ def test_errors_name_the_problem():
 def test_torch_kernel_factors_do_not_factor_again_in_the_backward(monkeypatch):
     from tridiag_tutorial import torch_kernel
     args = make_system(6, (2,), dtype=torch.float64, requires_grad=True, seed=16)
-    with kernel_context("torch"):
-        f = tridiagonal_lu_factor(*args[:3])
-        calls = []
-        original = torch_kernel.factor
-        monkeypatch.setattr(torch_kernel, "factor", lambda *a: calls.append(1) or original(*a))
-        x = tridiagonal_lu_solve(f, args[3])
-        torch.autograd.grad(x.sum(), args)
+    f = tridiagonal_lu_factor(*args[:3], driver="sequential")
+    calls = []
+    original = torch_kernel.factor
+    monkeypatch.setattr(torch_kernel, "factor", lambda *a: calls.append(1) or original(*a))
+    x = tridiagonal_lu_solve(f, args[3], driver="sequential")
+    torch.autograd.grad(x.sum(), args)
     assert calls == []
-    assert kernels._pure_torch is torch_kernel
+    assert kernels._torch_kernel is torch_kernel
 
 
 @pytest.mark.parametrize("kernel", ["lapack", "torch"])
@@ -300,8 +304,7 @@ def test_non_finite_value_stays_in_its_own_system(kernel, where):
         args[3][1, 2, 0] = float("nan")
     else:
         args[0][1, 2] = float("nan")
-    with kernel_context(kernel):
-        x = factored(*args, "T")
+    x = factored(*args, "T", driver=FACTOR_DRIVER[kernel])
     assert not torch.isfinite(x[1]).all()
     others = [0, 2, 3]
     assert_close(x[others], dense(*(a[others] for a in args), "T"))
@@ -322,8 +325,8 @@ def test_cuda_factors_solve_and_differentiate():
 def test_vmap_over_the_factorization_itself(kernel):
     """The factor op's own vmap rule: one factorization of the whole batch."""
     lower, diag, upper, rhs = make_system(6, (3,), seed=19)
-    with kernel_context(kernel):
-        x = vmap(lambda d, b: factored(lower[0], d, upper[0], b, "T"))(diag, rhs)
+    driver = FACTOR_DRIVER[kernel]
+    x = vmap(lambda d, b: factored(lower[0], d, upper[0], b, "T", driver=driver))(diag, rhs)
     assert_close(x, dense(lower[0].expand(3, 5), diag, upper[0].expand(3, 5), rhs, "T"))
 
 
@@ -333,11 +336,11 @@ def test_compile_fullgraph_on_the_pure_torch_kernel():
     args = make_system(5, (2,), 2, dtype=torch.float64, requires_grad=True, seed=20)
 
     def loss(*a):
-        return tridiagonal_solve(*a).pow(2).sum() + factored(*a, "C").pow(2).sum()
+        return (tridiagonal_solve(*a, driver="sequential").pow(2).sum()
+                + factored(*a, "C", driver="sequential").pow(2).sum())
 
-    with kernel_context("torch"):
-        got = torch.autograd.grad(torch.compile(loss, fullgraph=True)(*args), args)
-        expected = torch.autograd.grad(loss(*args), args)
+    got = torch.autograd.grad(torch.compile(loss, fullgraph=True)(*args), args)
+    expected = torch.autograd.grad(loss(*args), args)
     for g, e in zip(got, expected):
         assert_close(g, e)
 
@@ -359,22 +362,22 @@ def test_tampered_pivots_raise_on_the_torch_kernel(value, where):
     i = 3
     bad = {"i": i, "i+3": i + 3, "zero": 0, "negative": -7, "huge": 10**6}[value]
     t = tampered(f, (1, i), bad)
-    with kernel_context("torch"), pytest.raises(
+    with pytest.raises(
             ValueError, match=rf"tridiagonal_lu_solve: pivots\[\.\.\., 3\] = {bad} in batch "
                               r"element \(1,\) is not a pivot.*1-based: 4 or 5"):
         if where == "public":
-            tridiagonal_lu_solve(t, rhs)
+            tridiagonal_lu_solve(t, rhs, driver="sequential")
         else:
             torch.ops.tridiag_tutorial.solve_kernel(lower, diag, upper, rhs, t.lu, t.pivots, "N",
-                                                    True)
+                                                    "sequential")
 
 
 def test_wrong_last_pivot_raises_on_the_torch_kernel():
     lower, diag, upper, rhs = make_system(4, seed=22)
     f = tridiagonal_lu_factor(lower, diag, upper)
-    with kernel_context("torch"), pytest.raises(ValueError, match=r"pivots\[\.\.\., 3\] = 3 "
-                                                r"is not a pivot.*1-based: 4 \(the last row\)"):
-        tridiagonal_lu_solve(tampered(f, 3, 3), rhs)
+    with pytest.raises(ValueError, match=r"pivots\[\.\.\., 3\] = 3 "
+                       r"is not a pivot.*1-based: 4 \(the last row\)"):
+        tridiagonal_lu_solve(tampered(f, 3, 3), rhs, driver="sequential")
 
 
 def test_tampered_pivots_raise_inside_a_compiled_graph():
@@ -382,11 +385,11 @@ def test_tampered_pivots_raise_inside_a_compiled_graph():
     torch._dynamo.reset()
     lower, diag, upper, rhs = make_system(5, (3,), seed=23)
     f = tridiagonal_lu_factor(lower, diag, upper)
-    with kernel_context("torch"):
-        solve = torch.compile(tridiagonal_lu_solve, fullgraph=True)
-        assert_close(solve(f, rhs), dense(lower, diag, upper, rhs))
-        with pytest.raises(ValueError, match=r"pivots\[\.\.\., 1\] = 9 in batch element \(2,\)"):
-            solve(tampered(f, (2, 1), 9), rhs)
+    solve = torch.compile(lambda f, b: tridiagonal_lu_solve(f, b, driver="sequential"),
+                          fullgraph=True)
+    assert_close(solve(f, rhs), dense(lower, diag, upper, rhs))
+    with pytest.raises(ValueError, match=r"pivots\[\.\.\., 1\] = 9 in batch element \(2,\)"):
+        solve(tampered(f, (2, 1), 9), rhs)
 
 
 @pytest.mark.parametrize("field, bad, error, match", [
@@ -408,8 +411,8 @@ def test_factors_metadata_is_checked(kernel, field, bad, error, match):
     lower, diag, upper, rhs = make_system(5, (3,), seed=24)
     f = tridiagonal_lu_factor(lower, diag, upper)
     f = f._replace(**{field: bad(getattr(f, field))})
-    with kernel_context(kernel), pytest.raises(error, match="tridiagonal_lu_solve: .*" + match):
-        tridiagonal_lu_solve(f, rhs)
+    with pytest.raises(error, match="tridiagonal_lu_solve: .*" + match):
+        tridiagonal_lu_solve(f, rhs, driver=FACTOR_DRIVER[kernel])
 
 
 def test_a_meta_rhs_beside_cpu_factors_raises():
@@ -456,7 +459,7 @@ def test_registered_ops_check_their_arguments(op, kernel):
     CPU tensor."""
     for what, args, error, match in _kernel_op_cases():
         with pytest.raises(error, match="tridiag_tutorial::solve_kernel: .*" + match):
-            getattr(torch.ops.tridiag_tutorial, op)(*args, kernel == "torch")
+            getattr(torch.ops.tridiag_tutorial, op)(*args, FACTOR_DRIVER[kernel])
             pytest.fail(f"no error for {what}")
 
 
@@ -469,14 +472,14 @@ def test_fake_kernels_check_what_the_real_kernels_check():
         fake = [mode.from_tensor(a) if isinstance(a, torch.Tensor) and a.device.type != "meta"
                 else a for a in args]
         with mode, pytest.raises(error, match="tridiag_tutorial::solve_kernel: .*" + match):
-            torch.ops.tridiag_tutorial.solve_kernel(*fake, False)
+            torch.ops.tridiag_tutorial.solve_kernel(*fake, "lapack")
             pytest.fail(f"no error for {what}")
     lower, diag, upper, _ = make_system(5, (2,), seed=27)
     for args, match in [((lower.to("meta"), diag, upper), "same device.*lower on meta"),
                         ((lower[0], diag, upper), "one batch shape"),
                         ((lower, diag.float(), upper), "same dtype")]:
         with pytest.raises((ValueError, TypeError), match="tridiag_tutorial::lu_factor: .*" + match):
-            torch.ops.tridiag_tutorial.lu_factor(*args, False)
+            torch.ops.tridiag_tutorial.lu_factor(*args, "lapack")
 
 
 def test_pivot_check_in_torch_ops_agrees_with_the_numpy_one():

@@ -111,10 +111,12 @@ def test_opcheck_kernel_ops(kernel, factors, trans, strided):
     lower, diag, upper, rhs = make_system(n, (2,), 3, dtype=torch.complex128, seed=11)
     if strided:
         rhs = rhs.mT.contiguous().mT
-    torch_kernel = kernel != "lapack"
-    result = torch.library.opcheck(_factor_op, (lower, diag, upper, torch_kernel))
+    driver = "lapack" if kernel == "lapack" else "sequential"
+    result = torch.library.opcheck(_factor_op, (lower, diag, upper, driver))
     assert set(result.values()) == {"SUCCESS"}, result
-    lu, pivots = _factors(lower, diag, upper, torch_kernel) if factors else (None, None)
+    lu, pivots = _factors(lower, diag, upper, driver) if factors else (None, None)
+    if not factors and kernel == "partitioned":
+        driver = "partitioned"
     result = torch.library.opcheck(
-        _kernel_op, (lower, diag, upper, rhs, lu, pivots, trans, torch_kernel))
+        _kernel_op, (lower, diag, upper, rhs, lu, pivots, trans, driver))
     assert set(result.values()) == {"SUCCESS"}, result

@@ -6,11 +6,14 @@ The public face is :func:`tridiagonal_solve`, and :func:`tridiagonal_lu_factor` 
 - :mod:`tridiag_tutorial.lapack`: LAPACK ``?gtsv``, ``?gttrf``, ``?gttrs`` through SciPy;
 - :mod:`tridiag_tutorial.rules`: the backward and forward-mode formulas (chapter 3);
 - :mod:`tridiag_tutorial.reference`: dense references for tests and chapters;
-- :mod:`tridiag_tutorial.kernels`: which kernel runs (LAPACK, compiled C++, pure torch);
-- :mod:`tridiag_tutorial.compiled`: the optional C++ kernel, built by ``compiled.load()`` (chapter 12);
+- :mod:`tridiag_tutorial.kernels`: the ``driver`` argument: which kernel runs (LAPACK, C++,
+  sequential or partitioned torch ops), and the automatic choice;
+- :mod:`tridiag_tutorial.compiled`: the C++ kernel, built at install (chapter 12);
 - :mod:`tridiag_tutorial.ops`: the final op.
 """
 
+from ._validation import SingularMatrixError as SingularMatrixError
+from .kernels import cpp_available as cpp_available
 from .ops import TridiagonalFactors as TridiagonalFactors
 from .ops import tridiagonal_lu_factor as tridiagonal_lu_factor
 from .ops import tridiagonal_lu_solve as tridiagonal_lu_solve
@@ -20,5 +23,5 @@ from .reference import to_dense as to_dense
 from .rules import tridiag_matmul as tridiag_matmul
 
 __all__ = ["tridiagonal_solve", "tridiagonal_lu_factor", "tridiagonal_lu_solve", "TridiagonalFactors",
-           "dense_solve", "to_dense", "tridiag_matmul"]
+           "SingularMatrixError", "cpp_available", "dense_solve", "to_dense", "tridiag_matmul"]
 __version__ = "0.1.0"

@@ -10,19 +10,18 @@ that functorch itself uses for the same purpose (``torch/_functorch/autograd_fun
 
 from __future__ import annotations
 
-import weakref
-
 import torch
 from torch._C import _functorch
 from torch._C._functorch import TransformType
 from torch._functorch.pyfunctorch import retrieve_all_functorch_interpreters
 from torch._functorch.utils import enable_single_level_autograd_function
+from torch._functorch.utils import unwrap_dead_wrappers as _unwrap_dead_wrappers
 from torch.autograd import forward_ad
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 __all__ = ["SingleLevelFunction", "enable_single_level_autograd_function",
            "forward_transform_depth", "differentiation_depth", "mode_active", "transform_active",
-           "forward_ad_active", "is_functorch_tensor", "checkpoint_state"]
+           "forward_ad_active", "is_functorch_tensor", "function_apply"]
 
 #: An ``autograd.Function`` whose ``apply`` records one autograd node on the tensors it is given,
 #: at the current functorch level, without functorch's ``custom_function_call`` (which needs the
@@ -69,40 +68,17 @@ def is_functorch_tensor(t: torch.Tensor) -> bool:
             or _functorch.is_legacy_batchedtensor(t))
 
 
-# torch.utils.checkpoint (use_reentrant=False) recomputes a forward at backward time, outside the
-# caller's `with` blocks; the kernel choice of tridiag_tutorial.kernels is context-local, so the
-# recomputation must be told the choice that the forward made (kernels.same_kernels_as_forward).
-def _find_checkpoint_frame(obj, depth: int = 0):
-    """The ``_CheckpointFrame`` that a checkpoint hook function closes over (directly, through a
-    weak reference, or through the function it wraps), else ``None``."""
-    from torch.utils.checkpoint import _CheckpointFrame
-
-    if isinstance(obj, _CheckpointFrame):
-        return obj
-    if isinstance(obj, weakref.ReferenceType):
-        return _find_checkpoint_frame(obj(), depth + 1) if depth < 3 else None
-    if depth < 3 and callable(obj):
-        for cell in getattr(obj, "__closure__", None) or ():
-            try:
-                found = _find_checkpoint_frame(cell.cell_contents, depth + 1)
-            except ValueError:  # an empty cell
-                continue
-            if found is not None:
-                return found
-    return None
+_FUNCTION_BASE_APPLY = torch._C._FunctionBase.__dict__["apply"]
 
 
-def checkpoint_state():
-    """``(frame, hook)`` while a non-reentrant ``torch.utils.checkpoint`` forward
-    (``hook is None``) or its recomputation (``hook``: that recomputation's pack hook) runs,
-    with ``frame`` the checkpoint's ``_CheckpointFrame``; ``(None, None)`` otherwise."""
-    hooks = torch._C._autograd._top_saved_tensors_default_hooks(False)
-    if not hooks:
-        return None, None
-    pack = hooks[0]
-    name = getattr(pack, "__qualname__", "") or getattr(getattr(pack, "__wrapped__", None),
-                                                          "__qualname__", "")
-    frame = _find_checkpoint_frame(pack)
-    if frame is None:
-        return None, None
-    return (frame, None) if name.startswith("_checkpoint_hook.") else (frame, pack)
+def function_apply(cls, *args):
+    """``cls.apply(*args)`` for an ``autograd.Function`` with ``setup_context``, positional
+    arguments only, without the :mod:`inspect` binding of the arguments to ``forward``'s
+    signature that ``Function.apply`` performs on every such call (about 10 µs). Without a
+    ``torch.func`` transform, ``Function.apply`` does exactly this after that binding: unwrap
+    dead functorch wrappers and call the C++ ``_FunctionBase.apply``; under a transform it is
+    ``cls.apply`` itself."""
+    if torch._C._are_functorch_transforms_active():
+        return cls.apply(*args)
+    args = _unwrap_dead_wrappers(args)
+    return _FUNCTION_BASE_APPLY.__get__(None, cls)(*args)

@@ -33,11 +33,42 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-__all__ = ["SUPPORTED_DTYPES", "Problem", "validate", "validate_bands", "validate_factors",
+__all__ = ["SUPPORTED_DTYPES", "SingularMatrixError", "Problem", "validate", "validate_bands", "validate_factors",
            "validate_kernel_args", "validate_factor_args", "check_pivot_values"]
 
 SUPPORTED_DTYPES = (torch.float32, torch.float64, torch.complex64, torch.complex128)
 _NAMES = ("lower", "diag", "upper", "rhs")
+
+
+class SingularMatrixError(torch.linalg.LinAlgError):
+    """A tridiagonal matrix is singular: LU with partial pivoting met an exactly zero pivot.
+
+    Every kernel raises this one error, built here and only here. Its attributes say where:
+    ``pivot``, the 0-based index ``i`` of the zero pivot ``U[i, i]`` (LAPACK's ``INFO - 1``), and
+    ``batch_index``, the index of the first such system in the batch (``()`` for one system).
+    It is a :class:`torch.linalg.LinAlgError`, so ``except torch.linalg.LinAlgError`` catches it.
+    ``detail`` (optional) is appended to the message in parentheses.
+    """
+
+    def __init__(self, pivot: int, batch_index: tuple = (), detail: str | None = None):
+        self.pivot = int(pivot)
+        self.batch_index = tuple(int(i) for i in batch_index)
+        message = f"the tridiagonal matrix is singular: pivot U[{self.pivot}, {self.pivot}] is exactly zero"
+        if self.batch_index:
+            message += f", in batch element {self.batch_index}"
+        if detail:
+            message += f" ({detail})"
+        super().__init__(message)
+
+    @classmethod
+    def at(cls, pivot: int, flat_index: int, batch_shape) -> SingularMatrixError:
+        """The error of system ``flat_index`` (C order) of a batch of shape ``batch_shape``."""
+        batch_shape = tuple(batch_shape)
+        where = tuple(np.unravel_index(flat_index, batch_shape)) if batch_shape else ()
+        return cls(pivot, where)
+
+    def __reduce__(self):  # pickles (multiprocessing) with its attributes
+        return (type(self), (self.pivot, self.batch_index))
 
 
 class Problem(NamedTuple):

@@ -11,7 +11,10 @@ To PyTorch the op is one opaque node with a schema. What makes it a first-class 
   op itself on ``A^H`` (:func:`tridiag_tutorial.rules.solve_backward`), so double backward works;
 - ``register_vmap``: a batch rule, since the kernel handles any number of batch dimensions;
 - ``register_kernel``: one kernel per device. The function under ``@custom_op`` is the default
-  kernel (torch ops, so any device); ``register_kernel("cpu")`` gives CPU tensors LAPACK.
+  kernel (torch ops, so any device); ``register_kernel("cpu")`` gives CPU tensors LAPACK. The op's
+  ``driver`` argument (``None``, or a name of :data:`tridiag_tutorial.kernels.DRIVERS`) lets a
+  caller pick the kernel explicitly, for instance the torch-ops kernels on a CPU: an argument, so
+  that ``torch.compile`` sees it and a backward can reuse it.
 
 :func:`tridiagonal_solve_custom_op` is the chapter's version: validation, then the op. It compiles
 with ``fullgraph=True`` and passes ``opcheck``, but on torch 2.13 ``torch.func.grad`` raises on it
@@ -26,9 +29,9 @@ import torch
 
 from . import kernels, rules
 from ._validation import validate
-from .kernels import torch_kernel_on_cpu as torch_kernel_on_cpu  # where chapters import it from
+from .ops import _vmap_rule  # the general batch rule, shared with the final op
 
-__all__ = ["tridiagonal_solve_op", "tridiagonal_solve_custom_op", "torch_kernel_on_cpu"]
+__all__ = ["tridiagonal_solve_op", "tridiagonal_solve_custom_op"]
 
 
 # One kernel per device, the torch.library way: the function under @custom_op is the default
@@ -37,65 +40,57 @@ __all__ = ["tridiagonal_solve_op", "tridiagonal_solve_custom_op", "torch_kernel_
 # tridiag_tutorial.kernels.
 @torch.library.custom_op("tridiag_tutorial::tridiagonal_solve", mutates_args=())
 def tridiagonal_solve_op(lower: torch.Tensor, diag: torch.Tensor, upper: torch.Tensor,
-                         rhs: torch.Tensor) -> torch.Tensor:
+                         rhs: torch.Tensor, driver: str | None = None) -> torch.Tensor:
     """``x = A^{-1} rhs`` for inputs already validated and broadcast; rhs is ``(*B, n, k)``.
 
-    This default kernel solves in torch ops (the pure-torch kernel with LAPACK's pivoting, or the
-    partitioned one for large ``n``), so it runs on any device."""
-    return kernels.solve(lower, diag, upper, rhs, None, None, "N", True)
+    This default kernel solves in torch ops (the sequential kernel with LAPACK's pivoting, or the
+    partitioned one for large ``n``, unless ``driver`` names one), so it runs on any device."""
+    return kernels.solve(lower, diag, upper, rhs, None, None, "N",
+                         kernels.resolve_driver(driver or _torch_ops_driver(rhs), rhs))
+
+
+def _torch_ops_driver(rhs) -> str:
+    """The automatic choice among the kernels in torch ops (as on a device other than the CPU)."""
+    return kernels.choose_driver("other", rhs.dtype, rhs.shape[:-2].numel(), rhs.shape[-2], False)
 
 
 @tridiagonal_solve_op.register_kernel("cpu")
-def _solve_cpu(lower, diag, upper, rhs):
-    """The CPU kernel: LAPACK ``?gtsv`` (or the compiled kernel, once loaded, where it measured
-    faster); inside :func:`torch_kernel_on_cpu`, the default kernel's torch ops instead, so that
-    a machine without a GPU can run the code that other devices run."""
-    return kernels.solve(lower, diag, upper, rhs, None, None, "N", kernels._torch_kernel_on_cpu())
+def _solve_cpu(lower, diag, upper, rhs, driver=None):
+    """The CPU kernel: LAPACK ``?gtsv``, or the kernel that ``driver`` names (``"sequential"``,
+    say: the torch-ops code that other devices run, on a machine without a GPU)."""
+    return kernels.solve(lower, diag, upper, rhs, None, None, "N", driver or "lapack")
 
 
 @tridiagonal_solve_op.register_fake
-def _solve_fake(lower, diag, upper, rhs):
+def _solve_fake(lower, diag, upper, rhs, driver=None):
     # The real kernel returns a new C-contiguous tensor, whatever rhs's strides are.
     return rhs.new_empty(rhs.shape)
 
 
 def _solve_setup_context(ctx, inputs, output):
-    lower, diag, upper, _ = inputs
+    lower, diag, upper, _, ctx.driver = inputs
     ctx.save_for_backward(lower, diag, upper, output)
 
 
 def _solve_backward(ctx, grad_x):
     lower, diag, upper, x = ctx.saved_tensors
-    return rules.solve_backward(tridiagonal_solve_op, lower, diag, upper, x, grad_x)
+    def solve(*bands_and_rhs):  # the same kernel as the forward
+        return tridiagonal_solve_op(*bands_and_rhs, ctx.driver)
+    return (*rules.solve_backward(solve, lower, diag, upper, x, grad_x), None)
 
 
-def _vmap_rule(solve, info, in_dims, *args, out_dims=0):
-    """Batch rule of this op, and the general case of the other ops' rules: put the vmapped
-    dimension first on every input.
-
-    The kernel needs all inputs to have the same batch shape, so unbatched inputs are expanded
-    along the new dimension (a view, no copy) rather than left alone; ``None`` arguments (absent
-    optional inputs) stay ``None``.
-    """
-    args = [
-        None if a is None else a.movedim(d, 0) if d is not None
-        else a.expand(info.batch_size, *a.shape)
-        for a, d in zip(args, in_dims)
-    ]
-    return solve(*args), out_dims
-
-
-def _solve_vmap(info, in_dims, lower, diag, upper, rhs):
-    return _vmap_rule(tridiagonal_solve_op, info, in_dims, lower, diag, upper, rhs)
+def _solve_vmap(info, in_dims, lower, diag, upper, rhs, driver=None):
+    return _vmap_rule(lambda *t: tridiagonal_solve_op(*t, driver), info, in_dims[:4],
+                      lower, diag, upper, rhs)
 
 
 tridiagonal_solve_op.register_autograd(_solve_backward, setup_context=_solve_setup_context)
 tridiagonal_solve_op.register_vmap(_solve_vmap)
 
 
-def tridiagonal_solve_custom_op(lower, diag, upper, rhs) -> torch.Tensor:
+def tridiagonal_solve_custom_op(lower, diag, upper, rhs, *, driver=None) -> torch.Tensor:
     """Chapter 5's version: :func:`tridiag_tutorial.tridiagonal_solve`'s arguments and result, but
     calling the custom op directly (no ``torch.func`` support beyond ``vmap``)."""
     p = validate(lower, diag, upper, rhs, name="tridiagonal_solve_custom_op")
-    x = tridiagonal_solve_op(p.lower, p.diag, p.upper, p.rhs)
+    x = tridiagonal_solve_op(p.lower, p.diag, p.upper, p.rhs, driver)
     return x.squeeze(-1) if p.vector_rhs else x

@@ -11,7 +11,7 @@ What this module adds to the raw wrappers:
 - inputs are never modified (the wrappers are called without ``overwrite_*``);
 - ``n = 1`` and ``n = 2`` work: SciPy's f2py wrappers assume ``n >= 2`` for ``?gtsv`` and
   ``n >= 3`` for ``?gttrf``/``?gttrs``, so small systems are padded with identity rows;
-- ``info > 0`` (an exactly zero pivot) raises :class:`torch.linalg.LinAlgError` naming the pivot
+- ``info > 0`` (an exactly zero pivot) raises :class:`~tridiag_tutorial.SingularMatrixError` naming the pivot
   and the batch element, ``info < 0`` raises :class:`ValueError`;
 - :func:`solve`, :func:`factor` and :func:`factor_solve` take any number of batch dimensions: a
   batch is joined into block-diagonal systems of at most :data:`_CHUNK_ROWS` rows (never more than
@@ -25,13 +25,26 @@ Arrays follow the package's convention: ``lower[..., i] = A[i+1, i]``, ``diag[..
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import numpy as np
-import torch
-from scipy.linalg import get_lapack_funcs
+
+from ._validation import SingularMatrixError
 
 __all__ = ["LUFactors", "gtsv", "gttrf", "gttrs", "solve", "factor", "factor_solve"]
+
+
+def get_lapack_funcs(names, arrays):
+    """``scipy.linalg.get_lapack_funcs``, imported on first use: importing SciPy's linear algebra
+    takes about 0.2 s, which ``import tridiag_tutorial`` should not pay before a solve needs it."""
+    return _scipy_get_lapack_funcs()(names, arrays)
+
+
+@functools.cache
+def _scipy_get_lapack_funcs():
+    from scipy.linalg import get_lapack_funcs as funcs
+    return funcs
 
 
 class LUFactors(NamedTuple):
@@ -48,10 +61,7 @@ class LUFactors(NamedTuple):
 
 def _check_info(info: int, routine: str) -> None:
     if info > 0:
-        raise torch.linalg.LinAlgError(
-            f"the tridiagonal matrix is singular: pivot U[{info - 1}, {info - 1}] is exactly zero "
-            f"(LAPACK {routine} info = {info})"
-        )
+        raise SingularMatrixError(info - 1, detail=f"LAPACK {routine} info = {info}")
     if info < 0:
         raise ValueError(f"LAPACK {routine}: argument {-info} had an illegal value")
 
@@ -121,24 +131,13 @@ def gttrs(factors: LUFactors, rhs: np.ndarray, trans: str = "N") -> np.ndarray:
     return x[:, 0] if vector else x
 
 
-def _batch_error(err: torch.linalg.LinAlgError, n: int, batch, first: int = 0) -> torch.linalg.LinAlgError:
+def _batch_error(err: SingularMatrixError, n: int, batch, first: int = 0) -> SingularMatrixError:
     """Turn a zero pivot of a joined system (see :func:`_join`) into its batch element's own.
 
-    ``first`` is the flat batch index of the joined system's first block. The message has one
-    format whichever path found the pivot: the routine's ``info`` is left out.
-    """
-    global_pivot = int(str(err).split("U[", 1)[1].split(",", 1)[0])
-    element, pivot = divmod(global_pivot, n)
-    local = str(err).replace(f"U[{global_pivot}, {global_pivot}]", f"U[{pivot}, {pivot}]")
-    return _element_error(local, first + element, batch)
-
-
-def _element_error(err, index: int, batch) -> torch.linalg.LinAlgError:
-    """A zero pivot of batch element ``index`` (flat), in the one message format (no ``info``)."""
-    message = str(err).split(" (LAPACK")[0]
-    if batch:
-        message += f", in batch element {tuple(int(i) for i in np.unravel_index(index, batch))}"
-    return torch.linalg.LinAlgError(message)
+    ``first`` is the flat batch index of the joined system's first block; the pivot of the joined
+    system is ``element * n + pivot``."""
+    element, pivot = divmod(err.pivot, n)
+    return SingularMatrixError.at(pivot, first + element, batch)
 
 
 def _join(lower, diag, upper, rhs=None):
@@ -300,7 +299,7 @@ def solve(lower: np.ndarray, diag: np.ndarray, upper: np.ndarray, rhs: np.ndarra
         def solve_range(c, e, dl=dl, d=d, du=du, b=b, start=start):
             try:
                 x = gtsv(dl[c * n: e * n - 1], d[c * n: e * n], du[c * n: e * n - 1], b[c * n: e * n])
-            except torch.linalg.LinAlgError as err:
+            except SingularMatrixError as err:
                 raise _batch_error(err, n, batch, first=start + c) from None
             return x.reshape(e - c, n, k)
 
@@ -374,7 +373,7 @@ def _factor_chunk(chunk, lu: np.ndarray, pivots: np.ndarray, first: int, batch) 
         if info > 0 and (info - 1) // n < good:  # a zero pivot in a block that is its own
             try:
                 _check_info(info, name)
-            except torch.linalg.LinAlgError as err:
+            except SingularMatrixError as err:
                 raise _batch_error(err, n, batch, first=first + c) from None
         _store_factors(f, good, n, lu[c: c + good], pivots[c: c + good])
         return c + good

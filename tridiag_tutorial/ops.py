@@ -2,20 +2,16 @@ r"""The public op, :func:`tridiagonal_solve`: the result of the whole tutorial.
 
 Design (chapter 8 explains it; chapter 5 shows the traps it gets around)::
 
-    tridiagonal_solve(lower, diag, upper, rhs)      validate + broadcast (one place)
+    tridiagonal_solve(lower, diag, upper, rhs, driver=None)
+        |   validate + broadcast (one place); the driver resolved (kernels.resolve_driver)
         |-- nothing observes the call (no grad, no transform, no mode): the kernel, directly
-        |-- eager:     _apply                       autograd.Function: backward, jvp, vmap
-        |              (_TridiagonalSolve under torch.func; else _PlainTridiagonalSolve, the
-        |              same without setup_context, which Function.apply binds with inspect)
-        |-- eager reverse mode, C++ kernel loaded: tridiag_tutorial_cpp::solve_autograd,
-        |              whose backward runs in C++ (csrc/tridiag_autograd.cpp)
+        |-- eager:     _TridiagonalSolve            autograd.Function: backward, jvp, vmap
         |-- compiling: torch.ops.tridiag_tutorial.solve
-        |                                           library op: fake kernel (via solve_kernel),
+        |                                           schema in C++ (csrc/tridiag.cpp); fake kernel,
         |                                           an Autograd kernel that works under
-        |                                           torch.func, and a vmap rule
-        `-- all run the same kernels (tridiag_tutorial.kernels): LAPACK on CPU (the compiled
-            C++ kernel for batches, once loaded), kernels in torch ops elsewhere (the
-            sequential pivoting kernel, or the partitioned one for n >= 64)
+        |                                           torch.func, and a vmap rule, from here
+        `-- all run the kernel that ``driver`` names (tridiag_tutorial.kernels): LAPACK, the C++
+            kernel, or the sequential or partitioned kernel in torch ops
 
 Why two paths? On torch 2.13 (measured in chapter 5):
 
@@ -27,12 +23,17 @@ Why two paths? On torch 2.13 (measured in chapter 5):
 So eager code (including every ``torch.func`` transform and forward-mode AD) goes through the
 ``autograd.Function``, which defines ``setup_context``, ``backward``, ``jvp`` and ``vmap``; code
 being compiled (``torch.compiler.is_compiling()``) goes through the op ``tridiag_tutorial::solve``,
-which Dynamo treats as one opaque node. That op is defined with ``torch.library.Library`` rather
-than ``custom_op`` so that its Autograd kernel can be ours: a single-level autograd.Function with
-``backward`` and ``jvp`` (the way functorch attaches an autograd.Function to one transform level),
-so ``torch.func.grad``, ``vjp``, ``jacrev``, ``jvp``, ``jacfwd``, ``vmap`` and forward-mode dual
-numbers all work inside a compiled function. Both paths use the rules of
-:mod:`tridiag_tutorial.rules`.
+which Dynamo treats as one opaque node. Its Autograd kernel is ours: a single-level
+autograd.Function with ``backward`` and ``jvp`` (the way functorch attaches an autograd.Function
+to one transform level), so ``torch.func.grad``, ``vjp``, ``jacrev``, ``jvp``, ``jacfwd``,
+``vmap`` and forward-mode dual numbers all work inside a compiled function. Both paths use the
+rules of :mod:`tridiag_tutorial.rules`.
+
+The ops' schemas are defined in C++, in the extension built at install (``TORCH_LIBRARY``), so
+that a compiled or exported graph that holds them loads in a process that has only that library
+(chapter 12); this module registers their fake kernels, the Autograd kernel, the vmap rules and
+the kernels of each device, as pytorch/extension-cpp's ``ops.py`` does. Where the extension was
+not built, this module defines the same schemas (:data:`SCHEMAS`) itself.
 
 What does not compose, and raises instead of answering wrongly (chapter 8's support table):
 
@@ -42,24 +43,22 @@ What does not compose, and raises instead of answering wrongly (chapter 8's supp
 - forward-over-forward (``jvp`` of ``jvp``, ``jacfwd(jacfwd(f))``), eager or compiled: torch does
   not differentiate an ``autograd.Function``'s ``jvp`` staticmethod at an outer forward level (it
   returns a silently wrong second derivative, for ``torch.linalg.solve`` as well; pytorch
-  issue 197867), so the op raises
-  and points to ``hessian`` / ``jacfwd(jacrev(f))``, which work eagerly;
+  issue 197867), so the op raises and points to ``hessian`` / ``jacfwd(jacrev(f))``, which work
+  eagerly;
 - double backward (``create_graph=True``) through a compiled function: torch's AOTAutograd
   raises its own error ("does not currently support double backward").
 
-The kernel that a CPU tensor goes to (LAPACK or, once :func:`tridiag_tutorial.compiled.load`
-has run, the compiled kernel where it measured faster; the pure-torch kernel under
-:func:`~tridiag_tutorial.kernels.torch_kernel_on_cpu`) is decided in one module,
-:mod:`tridiag_tutorial.kernels`. The pure-torch choice is context-local state; each path saves
-the choice its forward made and its backward and ``jvp`` run on the same kernel.
+The kernel is an argument, ``driver`` (:mod:`tridiag_tutorial.kernels`): the public functions
+resolve ``driver=None`` to a kernel name before anything else, and every path carries that name
+to its backward and ``jvp``.
 
-Factor reuse. On the sequential pure-torch kernel (every device but the CPU, for n < 64)
-factoring costs about twice a solve with the factors, so when a backward pass will follow, the
-public function factors ``A = LU`` once (:func:`tridiagonal_lu_factor`'s op) and the backward solves ``A^H v = g`` from
-the same factors. With LAPACK it does not pay: ``?gtsv`` factors and solves in one sweep, so
-``?gttrf`` + two ``?gttrs`` do nearly the work of two ``?gtsv``, and over a whole forward and
-backward keeping the factors was slower in most cases measured and at best about 10% faster
-(chapter 11 shows the measurements); the backward calls ``?gtsv`` with ``A^H``.
+Factor reuse. On the sequential kernel (every device but the CPU, for n < 64) factoring costs
+about twice a solve with the factors, so when a backward pass will follow, the public function
+factors ``A = LU`` once (:func:`tridiagonal_lu_factor`'s op) and the backward solves
+``A^H v = g`` from the same factors. With LAPACK it does not pay: ``?gtsv`` factors and solves in
+one sweep, so ``?gttrf`` + two ``?gttrs`` do nearly the work of two ``?gtsv``, and over a whole
+forward and backward keeping the factors was slower in most cases measured and at best about 10%
+faster (chapter 11 shows the measurements); the backward calls ``?gtsv`` with ``A^H``.
 
 Factorization as a feature: :func:`tridiagonal_lu_factor` returns :class:`TridiagonalFactors`, and
 :func:`tridiagonal_lu_solve` solves with ``A``, ``A^T`` or ``A^H`` from them, for a matrix that
@@ -74,7 +73,7 @@ from typing import NamedTuple
 
 import torch
 
-from . import _compat, compiled, kernels, lapack, rules
+from . import _compat, compiled, kernels, rules
 from ._validation import (
     validate,
     validate_bands,
@@ -82,18 +81,15 @@ from ._validation import (
     validate_factors,
     validate_kernel_args,
 )
-from .custom_op import _vmap_rule
-from .kernels import _torch_kernel_on_cpu
 
 __all__ = ["tridiagonal_solve", "tridiagonal_lu_factor", "tridiagonal_lu_solve",
-           "TridiagonalFactors"]
+           "TridiagonalFactors", "SCHEMAS"]
 
 
 # The kernels (tridiag_tutorial.kernels), called directly: no autograd, no checks, one batch
-# shape, rhs (*B, n, k). ``torch_kernel`` is the kernel choice for CPU tensors.
+# shape, rhs (*B, n, k). ``driver`` names the kernel.
 _kernel = kernels.solve
 _factor_kernel = kernels.factor
-_lapack_for = kernels.lapack_for
 
 
 def _adjoint(lu, pivots, trans: str):
@@ -116,7 +112,7 @@ def _direct(*tensors) -> bool:
     are plain tensors with data (no subclass, no FakeTensor or meta tensor, no functorch wrapper).
     Dispatching a custom op costs tens of microseconds in Python, more than LAPACK needs for
     n = 100. ``None`` entries (absent factors) are skipped."""
-    if torch.compiler.is_compiling():  # Dynamo traces the custom ops, never the NumPy kernels
+    if torch.compiler.is_compiling():  # Dynamo traces the ops, never the kernels
         return False
     if _compat.mode_active() or _compat.transform_active():
         return False
@@ -131,7 +127,7 @@ def _direct(*tensors) -> bool:
 def _unobserved(args) -> bool:
     """True when nothing but the result of this call matters: no gradient will be asked for, no
     ``torch.func`` transform or forward-AD level is active, and :func:`_direct` holds. Then the
-    public functions call the kernel without ``autograd.Function`` or the custom op."""
+    public functions call the kernel without ``autograd.Function`` or the op."""
     if _compat.forward_ad_active():
         return False
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in args):
@@ -139,13 +135,19 @@ def _unobserved(args) -> bool:
     return _direct(*args)
 
 
-def _reverse_mode_only(args) -> bool:
-    """True when a gradient may be asked for and only reverse-mode autograd can see this call:
-    an input requires grad, grad mode is on, no forward-mode AD level is entered, not compiling,
-    and :func:`_direct` holds. Then the C++ Autograd kernel (no ``jvp``, no vmap rule) may take
-    it."""
-    return (torch.is_grad_enabled() and any(t.requires_grad for t in args)
-            and not _compat.forward_ad_active() and not torch.jit.is_tracing() and _direct(*args))
+def _vmap_rule(solve, info, in_dims, *args, out_dims=0):
+    """The general batch rule: put the vmapped dimension first on every input.
+
+    The kernels need all inputs to have the same batch shape, so unbatched inputs are expanded
+    along the new dimension (a view, no copy) rather than left alone; ``None`` arguments (absent
+    optional inputs) stay ``None``.
+    """
+    args = [
+        None if a is None else a.movedim(d, 0) if d is not None
+        else a.expand(info.batch_size, *a.shape)
+        for a, d in zip(args, in_dims)
+    ]
+    return solve(*args), out_dims
 
 
 def _batch_rule(solve, info, in_dims, lower, diag, upper, rhs, lu, pivots):
@@ -182,16 +184,6 @@ def _backward(solve, ctx, saved, grad_x):
     return (*grads, None, None, None, None)
 
 
-def _numpy_backward(ctx, saved, grad_x):
-    """:func:`_backward` on NumPy views, for a small first-order backward on LAPACK without
-    factors (see :func:`tridiag_tutorial.kernels.numpy_backward_pays`): the same rules, run on
-    NumPy arrays, whose operations cost a fraction of a microsecond where a torch operation
-    costs a few (``ndarray.conj()`` of a real array is the array itself, as in torch)."""
-    grads = _band_grads_and_rhs(lapack.solve, ctx.needs_input_grad[:3],
-                                *kernels._numpy(*saved[:4], grad_x))
-    return (*(None if t is None else torch.from_numpy(t) for t in grads), None, None, None, None)
-
-
 def _jvp(solve, ctx, tangents):
     """Both paths' ``jvp``: ``dx = M^{-1} (d_rhs - dM x)``, solving with the saved factors."""
     _check_not_forward_over_forward()
@@ -204,20 +196,19 @@ def _jvp(solve, ctx, tangents):
 # The eager path: an autograd.Function that torch.func and forward-mode AD understand.
 # --------------------------------------------------------------------------------------------
 class _TridiagonalSolve(torch.autograd.Function):
-    """``x = solve(lower, diag, upper, rhs, lu, pivots, trans, torch_kernel)`` (see
-    :func:`tridiag_tutorial.kernels.solve`). ``torch_kernel`` is the kernel choice made by the
-    caller (see :func:`~tridiag_tutorial.kernels.torch_kernel_on_cpu`); the backward and ``jvp`` reuse it,
-    and the factors, when there are any."""
+    """``x = solve(lower, diag, upper, rhs, lu, pivots, trans, driver)`` (see
+    :func:`tridiag_tutorial.kernels.solve`). ``driver`` names the kernel; the backward and
+    ``jvp`` reuse it, and the factors, when there are any."""
 
     @staticmethod
-    def forward(lower, diag, upper, rhs, lu, pivots, trans, torch_kernel):
+    def forward(lower, diag, upper, rhs, lu, pivots, trans, driver):
         if _direct(lower, diag, upper, rhs, lu, pivots):
-            return _kernel(lower, diag, upper, rhs, lu, pivots, trans, torch_kernel)
-        return _kernel_op(lower, diag, upper, rhs, lu, pivots, trans, torch_kernel)  # modes, fakes
+            return _kernel(lower, diag, upper, rhs, lu, pivots, trans, driver)
+        return _kernel_op(lower, diag, upper, rhs, lu, pivots, trans, driver)  # modes, fakes
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        lower, diag, upper, _, lu, pivots, ctx.trans, ctx.torch_kernel = inputs
+        lower, diag, upper, _, lu, pivots, ctx.trans, ctx.driver = inputs
         ctx.set_materialize_grads(False)
         ctx.save_for_backward(lower, diag, upper, output, lu, pivots)
         ctx.save_for_forward(lower, diag, upper, output, lu, pivots)
@@ -230,58 +221,35 @@ class _TridiagonalSolve(torch.autograd.Function):
         plain = not torch.is_grad_enabled() and not _compat.forward_ad_active()
         if plain and _direct(grad_x, *saved):
             # First-order backward, not itself differentiated: call the kernels directly.
-            if kernels.numpy_backward_pays(grad_x, saved[4], ctx.torch_kernel):
-                return _numpy_backward(ctx, saved, grad_x)
-            return _backward(lambda *a: _kernel(*a, ctx.torch_kernel), ctx, saved, grad_x)
+            return _backward(lambda *a: _kernel(*a, ctx.driver), ctx, saved, grad_x)
         # Solve through the differentiable Function, so higher derivatives work.
-        return _backward(lambda *a: _apply(*a, ctx.torch_kernel), ctx, saved, grad_x)
+        return _backward(lambda *a: _apply(*a, ctx.driver), ctx, saved, grad_x)
 
     @staticmethod
     def jvp(ctx, d_lower, d_diag, d_upper, d_rhs, *_):
-        return _jvp(lambda *a: _apply(*a, ctx.torch_kernel), ctx,
-                    (d_lower, d_diag, d_upper, d_rhs))
+        return _jvp(lambda *a: _apply(*a, ctx.driver), ctx, (d_lower, d_diag, d_upper, d_rhs))
 
     @staticmethod
-    def vmap(info, in_dims, lower, diag, upper, rhs, lu, pivots, trans, torch_kernel):
+    def vmap(info, in_dims, lower, diag, upper, rhs, lu, pivots, trans, driver):
         def solve(*tensors):
-            return _TridiagonalSolve.apply(*tensors, trans, torch_kernel)
+            return _TridiagonalSolve.apply(*tensors, trans, driver)
         return _batch_rule(solve, info, in_dims[:6], lower, diag, upper, rhs, lu, pivots)
 
 
-class _PlainTridiagonalSolve(torch.autograd.Function):
-    """:class:`_TridiagonalSolve` for the calls that no ``torch.func`` transform sees: the same
-    forward, backward and ``jvp``, with the old-style ``forward(ctx, ...)`` instead of
-    ``setup_context``. ``Function.apply`` binds the arguments of a Function that defines
-    ``setup_context`` to its signature with :mod:`inspect` on every call (chapter 11 measures
-    it, for two Functions that do nothing: several times LAPACK's own time at n = 100), and
-    ``torch.func`` accepts only such Functions; so :func:`_apply` picks this one when no
-    transform is active."""
-
-    @staticmethod
-    def forward(ctx, lower, diag, upper, rhs, lu, pivots, trans, torch_kernel):
-        x = _TridiagonalSolve.forward(lower, diag, upper, rhs, lu, pivots, trans, torch_kernel)
-        _TridiagonalSolve.setup_context(
-            ctx, (lower, diag, upper, rhs, lu, pivots, trans, torch_kernel), x)
-        return x
-
-    backward = _TridiagonalSolve.backward
-    jvp = _TridiagonalSolve.jvp
-
-
 def _apply(*args):
-    """``_TridiagonalSolve.apply(*args)``, through the cheaper :class:`_PlainTridiagonalSolve`
-    when no ``torch.func`` transform is active."""
-    if _compat.transform_active():
-        return _TridiagonalSolve.apply(*args)
-    return _PlainTridiagonalSolve.apply(*args)
+    """``_TridiagonalSolve.apply(*args)``. Without a ``torch.func`` transform, through
+    :func:`_compat.function_apply`, which skips the :mod:`inspect` binding of the arguments that
+    ``Function.apply`` does on every call for a Function with ``setup_context`` (chapter 11
+    measures that cost: several times LAPACK's own time at n = 100)."""
+    return _compat.function_apply(_TridiagonalSolve, *args)
 
 
-def _differentiable_solve(lower, diag, upper, rhs):
+def _differentiable_solve(lower, diag, upper, rhs, driver: str | None = None):
     """The differentiable solve of validated inputs through :class:`_TridiagonalSolve` (the
-    Function that ``torch.func`` needs), on the current kernel choice; chapter 8 compiles it to
-    show what Dynamo does with such a Function."""
+    Function that ``torch.func`` needs); chapter 8 compiles it to show what Dynamo does with such
+    a Function."""
     return _TridiagonalSolve.apply(lower, diag, upper, rhs, None, None, "N",
-                                   _torch_kernel_on_cpu())
+                                   kernels.resolve_driver(driver, rhs))
 
 
 _FORWARD_OVER_FORWARD = (
@@ -298,78 +266,132 @@ def _check_not_forward_over_forward() -> None:
 
 
 # --------------------------------------------------------------------------------------------
-# The ops under the compiled path (and under modes): tridiag_tutorial::solve has an Autograd
-# kernel of our own; solve_kernel and lu_factor are plain custom ops with fake and vmap rules.
+# The ops. Their schemas are in C++ (csrc/tridiag.cpp); SCHEMAS defines the same ones where the
+# extension was not built. tridiag_tutorial::solve has an Autograd kernel of our own;
+# solve_kernel (the kernel alone, what the graphs call forward and backward) and lu_factor have
+# fake kernels and vmap rules; cpp_solve is the C++ kernel.
 # --------------------------------------------------------------------------------------------
-@torch.library.custom_op("tridiag_tutorial::solve_kernel", mutates_args=())
-def _kernel_op(lower: torch.Tensor, diag: torch.Tensor, upper: torch.Tensor, rhs: torch.Tensor,
-               lu: torch.Tensor | None, pivots: torch.Tensor | None, trans: str,
-               torch_kernel: bool) -> torch.Tensor:
-    """The kernel alone (no autograd): what the compiled graph calls, forward and backward. It
-    checks its arguments as its fake kernel does (:func:`_validation.validate_kernel_args`), and
-    the kernel checks the pivot values, so a graph or a direct call cannot crash it."""
+SCHEMAS = {
+    "solve": "solve(Tensor lower, Tensor diag, Tensor upper, Tensor rhs, Tensor? lu, "
+             "Tensor? pivots, str trans, str driver) -> Tensor",
+    "solve_kernel": "solve_kernel(Tensor lower, Tensor diag, Tensor upper, Tensor rhs, Tensor? lu, "
+                    "Tensor? pivots, str trans, str driver) -> Tensor",
+    "lu_factor": "lu_factor(Tensor lower, Tensor diag, Tensor upper, str driver) -> (Tensor, Tensor)",
+}
+
+_LIB = torch.library.Library("tridiag_tutorial", "FRAGMENT")
+if not compiled.is_available():
+    for _schema in SCHEMAS.values():
+        _LIB.define(_schema)
+# The dispatch keys of the Python kernels. With the extension, its CompositeExplicitAutograd
+# kernel (what a process without Python runs) stays for every other key, and a kernel registered
+# for a backend key takes precedence over it; without the extension, ours is the composite one.
+_KERNEL_KEYS = (("CPU", "CUDA", "MPS", "XPU") if compiled.is_available()
+                else ("CompositeExplicitAutograd",))
+
+
+def _check_op_driver(driver, lu, device, name: str) -> None:
+    """What an op checks of its ``driver`` argument (the public functions resolved it)."""
+    allowed = kernels.DRIVERS if lu is None else kernels.FACTOR_DRIVERS
+    if not isinstance(driver, str) or driver not in allowed:
+        raise ValueError(f"{name}: driver must be one of {', '.join(map(repr, allowed))}"
+                         f"{'' if lu is None else ' with factors'}, got {driver!r}")
+    if driver in ("lapack", "cpp") and device.type not in ("cpu", "meta"):
+        raise ValueError(f"{name}: driver={driver!r} runs on CPU tensors only, got {device}")
+
+
+def _solve_kernel(lower, diag, upper, rhs, lu, pivots, trans, driver):
+    """The kernel alone (no autograd): the Python kernel of ``solve_kernel`` (and of ``solve``
+    below its Autograd kernel). It checks its arguments as its fake kernel does
+    (:func:`_validation.validate_kernel_args`), and the kernel checks the pivot values, so a
+    graph or a direct call cannot crash it. On the C++ kernel, which checks every tensor itself
+    (device, layout, dtype, shapes) before it reads one, the Python checks are skipped: they cost
+    more than the solve of a small system, and a compiled graph calls this kernel on every run."""
+    if driver == "cpp" and lu is None and pivots is None and trans == "N":
+        return compiled.solve(lower, diag, upper, rhs)
+    _check_kernel_args(lower, diag, upper, rhs, lu, pivots, trans, driver)
+    return _kernel(lower, diag, upper, rhs, lu, pivots, trans, driver)
+
+
+def _check_kernel_args(lower, diag, upper, rhs, lu, pivots, trans, driver) -> None:
     validate_kernel_args(lower, diag, upper, rhs, lu, pivots, trans, name=_KERNEL_OP_NAME)
-    return _kernel(lower, diag, upper, rhs, lu, pivots, trans, torch_kernel)
+    _check_op_driver(driver, lu, diag.device, _KERNEL_OP_NAME)
 
 
 _KERNEL_OP_NAME = "tridiag_tutorial::solve_kernel"
 
 
-@_kernel_op.register_fake
-def _kernel_fake(lower, diag, upper, rhs, lu, pivots, trans, torch_kernel):
-    validate_kernel_args(lower, diag, upper, rhs, lu, pivots, trans, name=_KERNEL_OP_NAME)
-    return rhs.new_empty(rhs.shape)  # the real kernels return a new C-contiguous tensor
+def _solve_fake(lower, diag, upper, rhs, lu, pivots, trans, driver):
+    """The one fake kernel of ``solve`` and ``solve_kernel``: the checks of the real kernel, and
+    a new C-contiguous tensor of ``rhs``'s shape, as every kernel returns."""
+    _check_kernel_args(lower, diag, upper, rhs, lu, pivots, trans, driver)
+    return rhs.new_empty(rhs.shape)
 
 
-def _on_kernel(op, trans: str, torch_kernel: bool):
+def _cpp_solve_fake(lower, diag, upper, rhs):
+    """Fake kernel of the C++ kernel ``cpp_solve``: ``(x, info)``."""
+    validate_kernel_args(lower, diag, upper, rhs, None, None, "N",
+                         name="tridiag_tutorial::cpp_solve")
+    return rhs.new_empty(rhs.shape), rhs.new_empty((), dtype=torch.int64)
+
+
+def _on_kernel(op, trans: str, driver: str):
     """``op`` as a function of its six tensors, with the last two arguments bound."""
-    return lambda *tensors: op(*tensors, trans, torch_kernel)
+    return lambda *tensors: op(*tensors, trans, driver)
 
 
 def _vmap_with_kernel(op):
     """The batch rule of an op with the signature of ``solve_kernel``."""
-    def rule(info, in_dims, lower, diag, upper, rhs, lu, pivots, trans, torch_kernel):
-        return _batch_rule(_on_kernel(op, trans, torch_kernel), info, in_dims[:6], lower, diag,
+    def rule(info, in_dims, lower, diag, upper, rhs, lu, pivots, trans, driver):
+        return _batch_rule(_on_kernel(op, trans, driver), info, in_dims[:6], lower, diag,
                            upper, rhs, lu, pivots)
     return rule
 
 
-_kernel_op.register_vmap(_vmap_with_kernel(_kernel_op))
-
-
-@torch.library.custom_op("tridiag_tutorial::lu_factor", mutates_args=())
-def _factor_op(lower: torch.Tensor, diag: torch.Tensor, upper: torch.Tensor,
-               torch_kernel: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def _lu_factor_kernel(lower, diag, upper, driver):
     """``(lu, pivots)`` of a batch; not differentiable (the bands carry the gradients)."""
     validate_factor_args(lower, diag, upper, name="tridiag_tutorial::lu_factor")
-    return _factor_kernel(lower, diag, upper, torch_kernel)
+    _check_op_driver(driver, True, diag.device, "tridiag_tutorial::lu_factor")
+    return _factor_kernel(lower, diag, upper, driver)
 
 
-@_factor_op.register_fake
-def _factor_fake(lower, diag, upper, torch_kernel):
+def _lu_factor_fake(lower, diag, upper, driver):
     validate_factor_args(lower, diag, upper, name="tridiag_tutorial::lu_factor")
+    _check_op_driver(driver, True, diag.device, "tridiag_tutorial::lu_factor")
     batch, n = diag.shape[:-1], diag.shape[-1]
     return diag.new_empty(*batch, 4, n), diag.new_empty(*batch, n, dtype=torch.int32)
 
 
-@_factor_op.register_vmap
-def _factor_vmap(info, in_dims, lower, diag, upper, torch_kernel):
-    return _vmap_rule(lambda *bands: _factor_op(*bands, torch_kernel), info, in_dims[:3],
+for _key in _KERNEL_KEYS:
+    _LIB.impl("solve_kernel", _solve_kernel, _key)
+    _LIB.impl("solve", _solve_kernel, _key)
+    _LIB.impl("lu_factor", _lu_factor_kernel, _key)
+torch.library.register_fake("tridiag_tutorial::solve_kernel", _solve_fake, lib=_LIB)
+torch.library.register_fake("tridiag_tutorial::solve", _solve_fake, lib=_LIB)
+torch.library.register_fake("tridiag_tutorial::lu_factor", _lu_factor_fake, lib=_LIB)
+if compiled.is_available():
+    torch.library.register_fake("tridiag_tutorial::cpp_solve", _cpp_solve_fake, lib=_LIB)
+
+_kernel_op = torch.ops.tridiag_tutorial.solve_kernel.default
+_factor_op = torch.ops.tridiag_tutorial.lu_factor.default
+torch.library.register_vmap("tridiag_tutorial::solve_kernel", _vmap_with_kernel(_kernel_op),
+                            lib=_LIB)
+
+
+def _factor_vmap(info, in_dims, lower, diag, upper, driver):
+    return _vmap_rule(lambda *bands: _factor_op(*bands, driver), info, in_dims[:3],
                       lower, diag, upper, out_dims=(0, 0))
 
 
-def _factors(lower, diag, upper, torch_kernel: bool):
+torch.library.register_vmap("tridiag_tutorial::lu_factor", _factor_vmap, lib=_LIB)
+
+
+def _factors(lower, diag, upper, driver: str):
     """``(lu, pivots)`` of the bands, through the op unless the kernel may be called directly."""
     bands = tuple(t.detach() for t in (lower, diag, upper))  # factors carry no derivative
     if _direct(*bands):
-        return _factor_kernel(*bands, torch_kernel)
-    return _factor_op(*bands, torch_kernel)
-
-
-_LIB = torch.library.Library("tridiag_tutorial", "FRAGMENT")
-_LIB.define("solve(Tensor lower, Tensor diag, Tensor upper, Tensor rhs, Tensor? lu, "
-            "Tensor? pivots, str trans, bool torch_kernel) -> Tensor")
-_LIB.impl("solve", _kernel_op, "CompositeExplicitAutograd")  # every backend, meta and fake too
+        return _factor_kernel(*bands, driver)
+    return _factor_op(*bands, driver)
 
 
 def _with_primal_layout(dx: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
@@ -392,24 +414,22 @@ class _CompiledSolve(_compat.SingleLevelFunction):
     """The Autograd kernel of ``tridiag_tutorial::solve``: one autograd node at the current level."""
 
     @staticmethod
-    def forward(lower, diag, upper, rhs, lu, pivots, trans, torch_kernel):
-        return _kernel_op(lower, diag, upper, rhs, lu, pivots, trans, torch_kernel)
+    def forward(lower, diag, upper, rhs, lu, pivots, trans, driver):
+        return _kernel_op(lower, diag, upper, rhs, lu, pivots, trans, driver)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        lower, diag, upper, _, lu, pivots, ctx.trans, ctx.torch_kernel = inputs
+        lower, diag, upper, _, lu, pivots, ctx.trans, ctx.driver = inputs
         ctx.save_for_backward(lower, diag, upper, output, lu, pivots)
         ctx.save_for_forward(lower, diag, upper, output, lu, pivots)
 
     @staticmethod
     def backward(ctx, grad_x):
-        return _backward(lambda *a: _compiled_op(*a, ctx.torch_kernel), ctx, ctx.saved_tensors,
-                         grad_x)
+        return _backward(lambda *a: _compiled_op(*a, ctx.driver), ctx, ctx.saved_tensors, grad_x)
 
     @staticmethod
     def jvp(ctx, d_lower, d_diag, d_upper, d_rhs, *_):
-        dx = _jvp(lambda *a: _compiled_op(*a, ctx.torch_kernel), ctx,
-                  (d_lower, d_diag, d_upper, d_rhs))
+        dx = _jvp(lambda *a: _compiled_op(*a, ctx.driver), ctx, (d_lower, d_diag, d_upper, d_rhs))
         return _with_primal_layout(dx, ctx.saved_tensors[3])
 
 
@@ -421,11 +441,11 @@ _NESTED_UNDER_COMPILE = (
     "level of grad, vjp, jacrev, jvp or jacfwd (optionally under vmap) works.")
 
 
-def _solve_autograd(lower, diag, upper, rhs, lu, pivots, trans, torch_kernel):
+def _solve_autograd(lower, diag, upper, rhs, lu, pivots, trans, driver):
     if _compat.differentiation_depth() > 1:
         raise NotImplementedError(_NESTED_UNDER_COMPILE)
     with _compat.enable_single_level_autograd_function():
-        return _CompiledSolve.apply(lower, diag, upper, rhs, lu, pivots, trans, torch_kernel)
+        return _CompiledSolve.apply(lower, diag, upper, rhs, lu, pivots, trans, driver)
 
 
 _LIB.impl("solve", _solve_autograd, "Autograd")
@@ -436,24 +456,23 @@ torch.library.register_vmap("tridiag_tutorial::solve", _vmap_with_kernel(_compil
 # --------------------------------------------------------------------------------------------
 # The public face.
 # --------------------------------------------------------------------------------------------
-def _solve(lower, diag, upper, rhs, lu, pivots, trans: str, torch_kernel: bool) -> torch.Tensor:
+def _solve(lower, diag, upper, rhs, lu, pivots, trans: str, driver: str) -> torch.Tensor:
     """Route one validated solve: compiled op, direct kernel or the eager Function."""
     args = (lower, diag, upper, rhs, lu, pivots)
     if torch.compiler.is_compiling():
-        return _compiled_op(*args, trans, torch_kernel)
+        return _compiled_op(*args, trans, driver)
     if torch.jit.is_tracing():
         raise RuntimeError(
             "tridiagonal_solve: torch.jit.trace cannot record this op (it calls LAPACK through "
             "NumPy, so the trace would hold the solution as a constant). Use torch.compile, or "
             "torch.export.export for a graph to save.")
     if _unobserved(args):  # no autograd, transform or mode can see the call: skip dispatch
-        return _kernel(*args, trans, torch_kernel)
-    return _apply(*args, trans, torch_kernel)
+        return _kernel(*args, trans, driver)
+    return _apply(*args, trans, driver)
 
 
-@kernels.same_kernels_as_forward
 def tridiagonal_solve(lower: torch.Tensor, diag: torch.Tensor, upper: torch.Tensor,
-                      rhs: torch.Tensor) -> torch.Tensor:
+                      rhs: torch.Tensor, *, driver: str | None = None) -> torch.Tensor:
     r"""Solve ``A x = rhs`` for a tridiagonal ``A``, differentiably, in O(n).
 
     Args:
@@ -463,6 +482,12 @@ def tridiagonal_solve(lower: torch.Tensor, diag: torch.Tensor, upper: torch.Tens
         rhs: ``(..., n)`` for one right-hand side per system (``rhs.ndim == diag.ndim``), or
             ``(..., n, k)`` for ``k`` of them (``rhs.ndim == diag.ndim + 1``).
 
+        driver: the kernel: ``None`` (the default) chooses
+            (:func:`tridiag_tutorial.kernels.choose_driver`); ``"lapack"`` (LAPACK ``?gtsv``
+            through SciPy, CPU), ``"cpp"`` (the C++ kernel built at install, CPU; see
+            :func:`tridiag_tutorial.cpp_available`), ``"sequential"`` or ``"partitioned"`` (the
+            kernels in torch ops that other devices use; on the CPU they run the same code).
+
     The batch dimensions ``...`` of the four arguments broadcast. All four must have the same
     dtype (float32, float64, complex64 or complex128) and device.
 
@@ -471,17 +496,21 @@ def tridiagonal_solve(lower: torch.Tensor, diag: torch.Tensor, upper: torch.Tens
 
     Raises:
         TypeError: mixed or unsupported dtypes, or an argument that is not a tensor.
-        ValueError: mixed devices, band lengths that do not fit ``n``, or batch shapes that do not
-            broadcast.
-        torch.linalg.LinAlgError: ``A`` is singular (an exactly zero pivot in LU with partial
-            pivoting); the message names the pivot and the batch element.
+        ValueError: mixed devices, band lengths that do not fit ``n``, batch shapes that do not
+            broadcast, or an unknown driver (or ``"lapack"`` / ``"cpp"`` off the CPU).
+        tridiag_tutorial.SingularMatrixError: ``A`` is singular (an exactly zero pivot in LU with
+            partial pivoting); a :class:`torch.linalg.LinAlgError` whose ``pivot`` and
+            ``batch_index`` say where, as its message does.
+        RuntimeError: ``driver="cpp"`` where the C++ kernel was not built.
 
-    On CPU it calls LAPACK ``?gtsv`` (Gaussian elimination with partial pivoting), and a backward
-    calls it again with ``A^H``. On other devices kernels in torch ops run: for ``n < 64`` the
-    pure-torch kernel (the same pivoting), which, when a backward will follow, factors once and
+    With ``driver=None``, a CPU solve runs on the C++ kernel (the same arithmetic as LAPACK's
+    ``?gtsv``, on many systems at once) for batches and for one system of up to 3000 unknowns, and
+    on LAPACK ``?gtsv`` otherwise or where the C++ kernel was not built; a backward solves again
+    with ``A^H`` on the same kernel. On other devices kernels in torch ops run: for ``n < 64`` the
+    sequential kernel (the same pivoting), which, when a backward will follow, factors once and
     lets the backward reuse the factors; for ``n >= 64`` the partitioned kernel
     (:mod:`tridiag_tutorial.partitioned`, O(log n) operations; it checks its answer and solves
-    again with the pure-torch kernel where the check fails), whose backward solves with ``A^H``.
+    again with the sequential kernel where the check fails), whose backward solves with ``A^H``.
     Gradients flow to all four inputs, to any order; ``torch.compile(fullgraph=True)`` traces it
     with no graph break. Inputs are never modified. To solve many times with one matrix, see
     :func:`tridiagonal_lu_factor`.
@@ -501,22 +530,13 @@ def tridiagonal_solve(lower: torch.Tensor, diag: torch.Tensor, upper: torch.Tens
         tensor([0.5000, 0.0000, 0.5000])
     """
     p = validate(lower, diag, upper, rhs)
-    torch_kernel = _torch_kernel_on_cpu()
+    driver = kernels.resolve_driver(driver, p.rhs)
     lu = pivots = None
-    if (not _lapack_for(p.rhs, torch_kernel) and not kernels.partitioned_pays(p.rhs)
-            and torch.is_grad_enabled()
+    if (driver == "sequential" and torch.is_grad_enabled()
             and any(t.requires_grad for t in (p.lower, p.diag, p.upper, p.rhs))):
-        # The sequential torch kernel: factor once, and the backward solves with A^H from the
-        # factors. (The partitioned kernel, for larger n, solves again with A^H in the backward.)
-        lu, pivots = _factors(p.lower, p.diag, p.upper, torch_kernel)
-    elif (not torch.compiler.is_compiling() and kernels.cpp_autograd_pays(p.rhs, None, torch_kernel)
-          and _reverse_mode_only(p[:4])):
-        # Reverse-mode autograd on the C++ kernel: the op whose backward runs in C++. It takes
-        # the caller's vector rhs as it is when nothing was broadcast (no unsqueeze to record).
-        given = p.vector_rhs and rhs.shape == p.diag.shape
-        x = compiled.autograd_op()(p.lower, p.diag, p.upper, rhs if given else p.rhs)
-        return x.squeeze(-1) if p.vector_rhs and not given else x
-    x = _solve(p.lower, p.diag, p.upper, p.rhs, lu, pivots, "N", torch_kernel)
+        # The sequential kernel: factor once, and the backward solves with A^H from the factors.
+        lu, pivots = _factors(p.lower, p.diag, p.upper, driver)
+    x = _solve(p.lower, p.diag, p.upper, p.rhs, lu, pivots, "N", driver)
     return x.squeeze(-1) if p.vector_rhs else x
 
 
@@ -563,9 +583,8 @@ class TridiagonalFactors(NamedTuple):
         return self.diag.dtype
 
 
-@kernels.same_kernels_as_forward
-def tridiagonal_lu_factor(lower: torch.Tensor, diag: torch.Tensor,
-                          upper: torch.Tensor) -> TridiagonalFactors:
+def tridiagonal_lu_factor(lower: torch.Tensor, diag: torch.Tensor, upper: torch.Tensor, *,
+                          driver: str | None = None) -> TridiagonalFactors:
     r"""Factor ``A = P L U`` once (LU with partial pivoting), to solve with it many times.
 
     The bands follow :func:`tridiagonal_solve`'s conventions and broadcast. On CPU this is LAPACK
@@ -576,10 +595,13 @@ def tridiagonal_lu_factor(lower: torch.Tensor, diag: torch.Tensor,
     Pass the result to :func:`tridiagonal_lu_solve`. Works eagerly, under ``torch.compile`` and
     under ``torch.func`` transforms.
 
+    ``driver`` is ``None`` (LAPACK ``?gttrf`` on the CPU, the sequential kernel elsewhere),
+    ``"lapack"`` or ``"sequential"``.
+
     Raises:
         TypeError, ValueError: as :func:`tridiagonal_solve`, for the bands.
-        torch.linalg.LinAlgError: ``A`` is singular; the message names the pivot and the batch
-            element.
+        tridiag_tutorial.SingularMatrixError: ``A`` is singular (a ``torch.linalg.LinAlgError``
+            with ``pivot`` and ``batch_index``).
         RuntimeError: under ``torch.jit.trace`` (the trace would hold the factors of the example
             as constants) and ``torch.jit.script``; use ``torch.compile`` or
             ``torch.export.export``.
@@ -593,18 +615,18 @@ def tridiagonal_lu_factor(lower: torch.Tensor, diag: torch.Tensor,
         tensor([1., 2., 3.])
     """
     lower, diag, upper = validate_bands(lower, diag, upper, name="tridiagonal_lu_factor")
+    driver = kernels.resolve_factor_driver(driver, diag.device, "tridiagonal_lu_factor")
     if torch.jit.is_tracing():
         raise RuntimeError(
             "tridiagonal_lu_factor: torch.jit.trace cannot record this op (it calls LAPACK through "
             "NumPy, so the trace would hold the factors of the example as constants). Use "
             "torch.compile, or torch.export.export for a graph to save.")
-    lu, pivots = _factors(lower, diag, upper, _torch_kernel_on_cpu())  # the op under compile
+    lu, pivots = _factors(lower, diag, upper, driver)  # the op under compile
     return TridiagonalFactors(lower, diag, upper, lu, pivots)
 
 
-@kernels.same_kernels_as_forward
-def tridiagonal_lu_solve(factors: TridiagonalFactors, rhs: torch.Tensor,
-                         trans: str = "N") -> torch.Tensor:
+def tridiagonal_lu_solve(factors: TridiagonalFactors, rhs: torch.Tensor, trans: str = "N", *,
+                         driver: str | None = None) -> torch.Tensor:
     r"""Solve ``A x = rhs`` (``trans='N'``), ``A^T x = rhs`` (``'T'``) or ``A^H x = rhs``
     (``'C'``) with the factors of :func:`tridiagonal_lu_factor`, in O(n) per right-hand side.
 
@@ -617,6 +639,9 @@ def tridiagonal_lu_solve(factors: TridiagonalFactors, rhs: torch.Tensor,
     with forward-mode AD, every ``torch.func`` transform, ``vmap`` (a ``vmap`` over the
     right-hand side alone is one solve with more columns) and ``torch.compile``, with the same
     limits as :func:`tridiagonal_solve`.
+
+    ``driver`` is ``None`` (LAPACK ``?gttrs`` on the CPU, the sequential kernel elsewhere),
+    ``"lapack"`` or ``"sequential"``: either solves from the factors of either, which are the same.
 
     Raises:
         TypeError: ``factors`` is not a :class:`TridiagonalFactors` of dense tensors; ``lu``'s
@@ -654,10 +679,11 @@ def tridiagonal_lu_solve(factors: TridiagonalFactors, rhs: torch.Tensor,
     elif trans == "C":
         lower, diag, upper = upper.conj(), diag.conj(), lower.conj()
     p = validate(lower, diag, upper, rhs, name="tridiagonal_lu_solve")
+    driver = kernels.resolve_factor_driver(driver, p.diag.device, "tridiagonal_lu_solve")
     if p.diag.shape[:-1] != batch:  # rhs brought more batch dimensions: the factors follow
         lu = lu.expand(*p.diag.shape[:-1], 4, n)
         pivots = pivots.expand(*p.diag.shape[:-1], n)
-    x = _solve(p.lower, p.diag, p.upper, p.rhs, lu, pivots, trans, _torch_kernel_on_cpu())
+    x = _solve(p.lower, p.diag, p.upper, p.rhs, lu, pivots, trans, driver)
     return x.squeeze(-1) if p.vector_rhs else x
 
 

@@ -22,8 +22,9 @@ Non-finite inputs give non-finite results in their own system only.
 
 from __future__ import annotations
 
-import numpy as np
 import torch
+
+from ._validation import SingularMatrixError
 
 __all__ = ["factor", "factor_unchecked", "lu_solve", "solve"]
 
@@ -102,12 +103,7 @@ def _check_pivots(pivots: torch.Tensor) -> None:
         flat = singular.reshape(-1, pivots.shape[-1]).cpu()
         element = int(flat.any(dim=-1).nonzero()[0])
         pivot = int(flat[element].nonzero()[0])
-        message = (f"the tridiagonal matrix is singular: pivot U[{pivot}, {pivot}] is exactly zero")
-        batch = tuple(pivots.shape[:-1])
-        if batch:
-            where = tuple(int(i) for i in np.unravel_index(element, batch))
-            message += f", in batch element {where}"
-        raise torch.linalg.LinAlgError(message)
+        raise SingularMatrixError.at(pivot, element, pivots.shape[:-1])
 
 
 def lu_solve(lu: torch.Tensor, pivots: torch.Tensor, rhs: torch.Tensor,

@@ -1,9 +1,33 @@
-// tridiag_tutorial_cpp::solve: LAPACK ?gtsv's elimination, compiled, for batches of systems.
+// The C++ half of the package's operators, built at install time (setup.py) as the extension
+// module tridiag_tutorial._C, on PyTorch's stable ABI (torch/csrc/stable: STABLE_TORCH_LIBRARY,
+// TORCH_BOX, torch::stable::Tensor), so one build loads in later torch releases too.
 //
-// solve(lower, diag, upper, rhs) -> x solves A x = rhs for a batch of tridiagonal matrices A with
-// lower[..., i] = A[i+1, i] (n-1), diag[..., i] = A[i, i] (n), upper[..., i] = A[i, i+1] (n-1)
-// and rhs (*B, n, k); the caller has validated and broadcast all four to one batch shape *B.
-// The result is a new C-contiguous (*B, n, k) tensor; the inputs are never modified.
+// It defines the schemas of the ops that compiled and exported graphs hold:
+//
+//   tridiag_tutorial::solve(lower, diag, upper, rhs, lu?, pivots?, trans, driver) -> x
+//   tridiag_tutorial::solve_kernel(... the same ...) -> x
+//   tridiag_tutorial::lu_factor(lower, diag, upper, driver) -> (lu, pivots)
+//   tridiag_tutorial::cpp_solve(lower, diag, upper, rhs) -> (x, info)
+//
+// The Python package (tridiag_tutorial/ops.py) registers their fake kernels, the Autograd kernel
+// of solve, the vmap rules and the kernels of each device (LAPACK through SciPy, this file's
+// kernel, kernels in torch ops), as pytorch/extension-cpp's ops.py does. What this file
+// registers runs without Python: cpp_solve's CPU kernel, and a CompositeExplicitAutograd kernel
+// for solve and solve_kernel, which is what a process that loads only this library (with
+// torch.ops.load_library, an AOTInductor package say) runs. There every solve without factors
+// runs on this file's kernel, which makes LAPACK ?gtsv's decisions bit for bit (the same
+// systems raise, a NaN stays in its own system); a solve from factors (lu given) and lu_factor
+// need the Python package and say so. In a process that imports tridiag_tutorial, the Python
+// kernels, registered for the CPU and GPU dispatch keys, take precedence over that composite one.
+//
+// cpp_solve(lower, diag, upper, rhs) -> (x, info) solves A x = rhs for a batch of tridiagonal
+// matrices A with lower[..., i] = A[i+1, i] (n-1), diag[..., i] = A[i, i] (n), upper[..., i] =
+// A[i, i+1] (n-1) and rhs (*B, n, k); the caller has validated and broadcast all four to one
+// batch shape *B. x is a new C-contiguous (*B, n, k) tensor; the inputs are never modified.
+// info is a 0-dim int64 tensor: -1, or s * n + p where s is the first singular system (flat C
+// order over *B) and p the zero pivot ?gtsv reports there (INFO - 1). The Python caller turns it
+// into tridiag_tutorial.SingularMatrixError (a torch.linalg.LinAlgError with the pivot and the
+// batch index as attributes); the stable ABI cannot raise LinAlgError itself.
 //
 // The arithmetic is ?gtsv's, operation for operation: Gaussian elimination with partial pivoting
 // (rows i and i+1 swap when |lower[i]| > |d[i]|, or when either magnitude is NaN, as the Fortran
@@ -17,36 +41,51 @@
 // one 64-byte line per element) in a batch-interleaved layout, element i of the W systems
 // contiguous ([n][W] for a band, [n][k][W] for rhs, real and imaginary parts in separate rows of
 // W for complex). Every operation acts on the W systems of the block at once, written with
-// GCC/Clang vector types (16-byte vectors, W / VL of them side by side), and the pivot choice is
-// a select, not a branch, so the elimination runs in SIMD across systems. Blocks are
-// distributed over threads with at::parallel_for; the last block is padded with identity
-// systems. Fewer than W systems (one large system, say) use the same code with W = 1, each
-// system solved in place in the output.
+// GCC/Clang vector types (16-byte SSE2 vectors of 2 doubles or 4 floats on plain x86-64, W / VL
+// of them side by side), and the pivot choice is a select, not a branch. The gain is mostly
+// that the W systems' eliminations are independent chains of divisions, which the CPU overlaps,
+// where one system's elimination is a single chain that waits for each division. Blocks are
+// distributed over threads with torch::stable::parallel_for (at::parallel_for underneath); the
+// last block is padded with identity systems. Fewer than W systems (one large system, say) use
+// the same code with W = 1, each system solved in place in the output.
 //
-// A system raises exactly where ?gtsv returns INFO > 0: dgtsv/sgtsv check for a zero pivot only
-// in the step without interchange (d[i] = 0 with |d[i]| >= |lower[i]|) and at d[n-1]; the
+// A system is reported exactly where ?gtsv returns INFO > 0: dgtsv/sgtsv check for a zero pivot
+// only in the step without interchange (d[i] = 0 with |d[i]| >= |lower[i]|) and at d[n-1]; the
 // interchange step is never checked (a NaN d[i] above a zero lower[i] gives NaN, not an error).
-// zgtsv/cgtsv check only where lower[i] is zero. c10::LinAlgError (torch.linalg.LinAlgError in
-// Python) names the first such system in flat (C) order and ?gtsv's pivot (INFO - 1). Systems
-// never mix, so a NaN or infinity stays in its own system. Inputs that are not dense CPU
-// tensors of one device, one floating or complex dtype and consistent shapes raise an error
-// that names the argument (also for nested, sparse and mkldnn tensors, registered below).
+// zgtsv/cgtsv check only where lower[i] is zero. Systems never mix, so a NaN or infinity stays in
+// its own system.
 
-#include <ATen/ATen.h>
-#include <ATen/Dispatch.h>
-#include <ATen/Parallel.h>
-#include <c10/util/Exception.h>
-#include <torch/library.h>
+#include <torch/csrc/stable/library.h>
+#include <torch/csrc/stable/ops.h>
+#include <torch/csrc/stable/tensor.h>
+#include <torch/headeronly/core/ScalarType.h>
+#include <torch/headeronly/util/Exception.h>
+
+#include <Python.h>
 
 #include <algorithm>
+#include <array>
 #include <atomic>
 #include <cmath>
+#include <complex>
 #include <cstdint>
 #include <cstring>
 #include <limits>
 #include <memory>
-#include <sstream>
+#include <optional>
+#include <string>
+#include <tuple>
 #include <vector>
+
+extern "C" {
+// An empty module tridiag_tutorial._C: importing it loads this library, whose static
+// initialisers register the ops below (pytorch/extension-cpp's way). Py_LIMITED_API: one build
+// serves every CPython from 3.9 on.
+PyMODINIT_FUNC PyInit__C(void) {
+  static struct PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "_C", nullptr, -1, nullptr};
+  return PyModule_Create(&module_def);
+}
+}
 
 namespace {
 
@@ -410,7 +449,7 @@ void solve_all(const R* L, const R* D, const R* U, const R* Bm, R* X, int64_t ns
   if (nsys < W) {
     // Few systems (one large system, say): W = 1, each system solved in place in the output.
     const int64_t grain = std::max<int64_t>(1, (1 << 15) / work);
-    at::parallel_for(0, nsys, grain, [&](int64_t begin, int64_t end) {
+    torch::stable::parallel_for(0, nsys, grain, [&](int64_t begin, int64_t end) {
       std::unique_ptr<R[]> ws(new R[3 * dsize]);  // uninitialised: every element is written below
       R* d = ws.get();
       R* du = d + dsize;
@@ -434,7 +473,7 @@ void solve_all(const R* L, const R* D, const R* U, const R* Bm, R* X, int64_t ns
   }
   const int64_t nblocks = (nsys + W - 1) / W;
   const int64_t grain = std::max<int64_t>(1, (1 << 15) / (work * W));
-  at::parallel_for(0, nblocks, grain, [&](int64_t begin, int64_t end) {
+  torch::stable::parallel_for(0, nblocks, grain, [&](int64_t begin, int64_t end) {
     std::unique_ptr<R[]> ws(new R[(3 * dsize + bsize) * W]);  // uninitialised, filled below
     R* d = ws.get();
     R* du = d + dsize * W;
@@ -470,118 +509,153 @@ void solve_all(const R* L, const R* D, const R* U, const R* Bm, R* X, int64_t ns
   });
 }
 
-at::Tensor solve(const at::Tensor& lower, const at::Tensor& diag, const at::Tensor& upper,
-                 const at::Tensor& rhs) {
-  const char* names[] = {"lower", "diag", "upper", "rhs"};
-  const at::Tensor* inputs[] = {&lower, &diag, &upper, &rhs};
-  for (int a = 0; a < 4; ++a) {
-    const at::Tensor& t = *inputs[a];
-    TORCH_CHECK(t.defined(), "tridiag_tutorial_cpp::solve: ", names[a], " is undefined");
-    TORCH_CHECK(!t.is_nested() && t.layout() == at::kStrided, "tridiag_tutorial_cpp::solve: ",
-                names[a], " must be a dense (strided) tensor, got ",
-                t.is_nested() ? "a nested tensor" : c10::str(t.layout()));
-    TORCH_CHECK_VALUE(t.device() == diag.device(), "tridiag_tutorial_cpp::solve: all inputs must "
-                      "be on one device, got lower on ", lower.device(), ", diag on ",
-                      diag.device(), ", upper on ", upper.device(), ", rhs on ", rhs.device());
+using torch::stable::Tensor;
+using torch::headeronly::ScalarType;
+
+// aten::<name>(self) through the dispatcher, by name: the stable ABI's way to any ATen op.
+Tensor call_unary(const char* name, const Tensor& self) {
+  std::array<StableIValue, 1> stack{torch::stable::detail::from(self)};
+  STABLE_TORCH_ERROR_CODE_CHECK(
+      torch_call_dispatcher(name, "", stack.data(), TORCH_ABI_VERSION));
+  return torch::stable::detail::to<Tensor>(stack[0]);
+}
+
+// The values of t in C order: lazily conjugated or negated views resolved, then contiguous.
+Tensor dense_values(const Tensor& t) {
+  return torch::stable::contiguous(
+      call_unary("aten::resolve_neg", call_unary("aten::resolve_conj", t)));
+}
+
+bool same_sizes(const Tensor& t, const std::vector<int64_t>& shape) {
+  if (t.dim() != static_cast<int64_t>(shape.size())) return false;
+  for (int64_t a = 0; a < t.dim(); ++a) {
+    if (t.size(a) != shape[a]) return false;
   }
-  TORCH_CHECK(diag.dim() >= 1, "tridiag_tutorial_cpp::solve: diag must have a last dimension n");
-  TORCH_CHECK(rhs.dim() == diag.dim() + 1, "tridiag_tutorial_cpp::solve: rhs must be (*B, n, k) "
-              "for diag (*B, n); got rhs ", rhs.sizes(), " and diag ", diag.sizes());
-  const auto batch = diag.sizes().slice(0, diag.dim() - 1);
+  return true;
+}
+
+std::tuple<Tensor, Tensor> cpp_solve(const Tensor& lower, const Tensor& diag, const Tensor& upper,
+                                     const Tensor& rhs) {
+  const char* names[] = {"lower", "diag", "upper", "rhs"};
+  const Tensor* inputs[] = {&lower, &diag, &upper, &rhs};
+  for (int a = 0; a < 4; ++a) {
+    const Tensor& t = *inputs[a];
+    STD_TORCH_CHECK(t.defined(), "tridiag_tutorial::cpp_solve: ", names[a], " is undefined");
+    STD_TORCH_CHECK(t.layout() == torch::headeronly::Layout::Strided,
+                    "tridiag_tutorial::cpp_solve: ", names[a],
+                    " must be a dense (strided) tensor");
+    STD_TORCH_CHECK(t.is_cpu(), "tridiag_tutorial::cpp_solve: CPU tensors only (", names[a],
+                    " is not on the CPU)");
+  }
+  STD_TORCH_CHECK(diag.dim() >= 1, "tridiag_tutorial::cpp_solve: diag must have a last "
+                  "dimension n");
+  STD_TORCH_CHECK(rhs.dim() == diag.dim() + 1, "tridiag_tutorial::cpp_solve: rhs must be "
+                  "(*B, n, k) for diag (*B, n); got rhs with ", rhs.dim(), " dimensions and diag "
+                  "with ", diag.dim());
   const int64_t n = diag.size(-1);
   const int64_t k = rhs.size(-1);
-  TORCH_CHECK(n >= 1, "tridiag_tutorial_cpp::solve: n must be at least 1");
-  std::vector<int64_t> band_shape(batch.begin(), batch.end());
+  STD_TORCH_CHECK(n >= 1, "tridiag_tutorial::cpp_solve: n must be at least 1");
+  std::vector<int64_t> band_shape, rhs_shape;
+  for (int64_t a = 0; a + 1 < diag.dim(); ++a) band_shape.push_back(diag.size(a));
+  rhs_shape = band_shape;
   band_shape.push_back(n - 1);
-  std::vector<int64_t> rhs_shape(batch.begin(), batch.end());
   rhs_shape.push_back(n);
   rhs_shape.push_back(k);
-  TORCH_CHECK(lower.sizes() == at::IntArrayRef(band_shape) &&
-                  upper.sizes() == at::IntArrayRef(band_shape) &&
-                  rhs.sizes() == at::IntArrayRef(rhs_shape),
-              "tridiag_tutorial_cpp::solve: shapes must be lower, upper (*B, n-1), diag (*B, n), "
-              "rhs (*B, n, k) with one batch shape; got ", lower.sizes(), ", ", diag.sizes(), ", ",
-              upper.sizes(), ", ", rhs.sizes());
-  const auto dtype = diag.scalar_type();
-  TORCH_CHECK(dtype == at::kFloat || dtype == at::kDouble || dtype == at::kComplexFloat ||
-                  dtype == at::kComplexDouble,
-              "tridiag_tutorial_cpp::solve: dtype must be float32, float64, complex64 or "
-              "complex128, got ", dtype);
-  TORCH_CHECK(lower.scalar_type() == dtype && upper.scalar_type() == dtype &&
-                  rhs.scalar_type() == dtype,
-              "tridiag_tutorial_cpp::solve: all inputs must have one dtype");
-  for (const at::Tensor* t : {&lower, &diag, &upper, &rhs}) {
-    TORCH_CHECK(t->device().is_cpu(), "tridiag_tutorial_cpp::solve: CPU tensors only");
-  }
+  STD_TORCH_CHECK(same_sizes(lower, band_shape) && same_sizes(upper, band_shape) &&
+                      same_sizes(rhs, rhs_shape),
+                  "tridiag_tutorial::cpp_solve: shapes must be lower, upper (*B, n-1), diag "
+                  "(*B, n), rhs (*B, n, k) with one batch shape");
+  const ScalarType dtype = diag.scalar_type();
+  STD_TORCH_CHECK(dtype == ScalarType::Float || dtype == ScalarType::Double ||
+                      dtype == ScalarType::ComplexFloat || dtype == ScalarType::ComplexDouble,
+                  "tridiag_tutorial::cpp_solve: dtype must be float32, float64, complex64 or "
+                  "complex128");
+  STD_TORCH_CHECK(lower.scalar_type() == dtype && upper.scalar_type() == dtype &&
+                      rhs.scalar_type() == dtype,
+                  "tridiag_tutorial::cpp_solve: all inputs must have one dtype");
 
-  // Conjugate or negative views are materialised by contiguous(); resolve them first so the
-  // data pointer holds the values.
-  const at::Tensor l = lower.resolve_conj().resolve_neg().contiguous();
-  const at::Tensor d = diag.resolve_conj().resolve_neg().contiguous();
-  const at::Tensor u = upper.resolve_conj().resolve_neg().contiguous();
-  const at::Tensor b = rhs.resolve_conj().resolve_neg().contiguous();
-  at::Tensor x = at::empty(rhs_shape, rhs.options().memory_format(at::MemoryFormat::Contiguous));
-  const int64_t nsys = d.numel() / n;
-  if (nsys == 0) return x;
+  const Tensor l = dense_values(lower), d = dense_values(diag), u = dense_values(upper),
+               b = dense_values(rhs);
+  Tensor x = torch::stable::new_empty(b, rhs_shape);  // C-contiguous, rhs's dtype and device
+  Tensor info = torch::stable::new_empty(b, {}, ScalarType::Long);
+  int64_t* info_ptr = info.mutable_data_ptr<int64_t>();
+  *info_ptr = -1;
+  const int64_t nsys = diag.numel() / n;
+  if (nsys == 0) return {x, info};
 
   std::atomic<int64_t> first{std::numeric_limits<int64_t>::max()};
-  AT_DISPATCH_FLOATING_AND_COMPLEX_TYPES(dtype, "tridiag_tutorial_cpp::solve", [&] {
-    using R = typename c10::scalar_value_type<scalar_t>::type;
-    constexpr bool is_complex = c10::is_complex<scalar_t>::value;
-    solve_all<R, is_complex>(reinterpret_cast<const R*>(l.const_data_ptr<scalar_t>()),
-                             reinterpret_cast<const R*>(d.const_data_ptr<scalar_t>()),
-                             reinterpret_cast<const R*>(u.const_data_ptr<scalar_t>()),
-                             reinterpret_cast<const R*>(b.const_data_ptr<scalar_t>()),
-                             reinterpret_cast<R*>(x.mutable_data_ptr<scalar_t>()), nsys, n, k,
-                             first);
-  });
-
+  switch (dtype) {
+    case ScalarType::Float:
+      solve_all<float, false>(l.const_data_ptr<float>(), d.const_data_ptr<float>(),
+                              u.const_data_ptr<float>(), b.const_data_ptr<float>(),
+                              x.mutable_data_ptr<float>(), nsys, n, k, first);
+      break;
+    case ScalarType::Double:
+      solve_all<double, false>(l.const_data_ptr<double>(), d.const_data_ptr<double>(),
+                               u.const_data_ptr<double>(), b.const_data_ptr<double>(),
+                               x.mutable_data_ptr<double>(), nsys, n, k, first);
+      break;
+    case ScalarType::ComplexFloat:  // interleaved (re, im) pairs, read as reals
+      solve_all<float, true>(static_cast<const float*>(l.const_data_ptr()),
+                             static_cast<const float*>(d.const_data_ptr()),
+                             static_cast<const float*>(u.const_data_ptr()),
+                             static_cast<const float*>(b.const_data_ptr()),
+                             static_cast<float*>(x.mutable_data_ptr()), nsys, n, k, first);
+      break;
+    default:
+      solve_all<double, true>(static_cast<const double*>(l.const_data_ptr()),
+                              static_cast<const double*>(d.const_data_ptr()),
+                              static_cast<const double*>(u.const_data_ptr()),
+                              static_cast<const double*>(b.const_data_ptr()),
+                              static_cast<double*>(x.mutable_data_ptr()), nsys, n, k, first);
+  }
   const int64_t code = first.load();
-  if (code != std::numeric_limits<int64_t>::max()) {
-    const int64_t system = code / n, pivot = code % n;
-    std::ostringstream msg;
-    msg << "the tridiagonal matrix is singular: pivot U[" << pivot << ", " << pivot
-        << "] is exactly zero";
-    if (!batch.empty()) {
-      std::vector<int64_t> index(batch.size());
-      int64_t rest = system;
-      for (int64_t a = static_cast<int64_t>(batch.size()) - 1; a >= 0; --a) {
-        index[a] = rest % batch[a];
-        rest /= batch[a];
-      }
-      msg << ", in batch element (";
-      for (size_t a = 0; a < index.size(); ++a) msg << (a ? ", " : "") << index[a];
-      msg << (index.size() == 1 ? ",)" : ")");
-    }
-    TORCH_CHECK_LINALG(false, msg.str());
+  if (code != std::numeric_limits<int64_t>::max()) *info_ptr = code;
+  return {x, info};
+}
+
+// What a process without the Python package runs for solve and solve_kernel: the kernel above,
+// for solves without factors; an exactly zero pivot raises RuntimeError with the system's flat
+// index (the Python kernels raise tridiag_tutorial.SingularMatrixError instead).
+Tensor solve_without_python(const Tensor& lower, const Tensor& diag, const Tensor& upper,
+                            const Tensor& rhs, std::optional<Tensor> lu,
+                            std::optional<Tensor> pivots, std::string trans,
+                            std::string driver) {
+  STD_TORCH_CHECK(!lu.has_value() && !pivots.has_value(),
+                  "tridiag_tutorial::solve: a solve from LU factors needs the Python package "
+                  "(import tridiag_tutorial); this library alone solves from the bands");
+  STD_TORCH_CHECK(trans == "N", "tridiag_tutorial::solve: trans must be 'N' without factors");
+  STD_TORCH_CHECK(driver == "lapack" || driver == "cpp" || driver == "sequential" ||
+                      driver == "partitioned",
+                  "tridiag_tutorial::solve: unknown driver '", driver, "'");
+  auto [x, info] = cpp_solve(lower, diag, upper, rhs);
+  const int64_t code = *info.const_data_ptr<int64_t>();
+  if (code >= 0) {
+    const int64_t n = diag.size(-1), pivot = code % n;
+    STD_TORCH_CHECK(false, "the tridiagonal matrix is singular: pivot U[", pivot, ", ", pivot,
+                    "] is exactly zero, in system ", code / n, " (flat index over the batch)");
   }
   return x;
 }
 
 }  // namespace
 
-TORCH_LIBRARY(tridiag_tutorial_cpp, m) {
-  m.def("solve(Tensor lower, Tensor diag, Tensor upper, Tensor rhs) -> Tensor");
+// The schemas: one place, here. tridiag_tutorial/ops.py defines the same ones (SCHEMAS) when this
+// library is absent (no compiler at install), and tests/test_extension.py checks they agree.
+STABLE_TORCH_LIBRARY(tridiag_tutorial, m) {
+  m.def("solve(Tensor lower, Tensor diag, Tensor upper, Tensor rhs, Tensor? lu, Tensor? pivots, "
+        "str trans, str driver) -> Tensor");
+  m.def("solve_kernel(Tensor lower, Tensor diag, Tensor upper, Tensor rhs, Tensor? lu, "
+        "Tensor? pivots, str trans, str driver) -> Tensor");
+  m.def("lu_factor(Tensor lower, Tensor diag, Tensor upper, str driver) -> (Tensor, Tensor)");
+  m.def("cpp_solve(Tensor lower, Tensor diag, Tensor upper, Tensor rhs) -> (Tensor, Tensor)");
 }
 
-TORCH_LIBRARY_IMPL(tridiag_tutorial_cpp, CPU, m) {
-  m.impl("solve", &solve);
+STABLE_TORCH_LIBRARY_IMPL(tridiag_tutorial, CPU, m) {
+  m.impl("cpp_solve", TORCH_BOX(&cpp_solve));
 }
 
-// Layouts the kernel does not take reach solve's checks, which name the argument, rather than
-// the dispatcher's "Could not run ... with arguments from the ... backend".
-TORCH_LIBRARY_IMPL(tridiag_tutorial_cpp, AutogradNestedTensor, m) {
-  m.impl("solve", &solve);
-}
-TORCH_LIBRARY_IMPL(tridiag_tutorial_cpp, NestedTensorCPU, m) {
-  m.impl("solve", &solve);
-}
-TORCH_LIBRARY_IMPL(tridiag_tutorial_cpp, SparseCPU, m) {
-  m.impl("solve", &solve);
-}
-TORCH_LIBRARY_IMPL(tridiag_tutorial_cpp, SparseCsrCPU, m) {
-  m.impl("solve", &solve);
-}
-TORCH_LIBRARY_IMPL(tridiag_tutorial_cpp, MkldnnCPU, m) {
-  m.impl("solve", &solve);
+STABLE_TORCH_LIBRARY_IMPL(tridiag_tutorial, CompositeExplicitAutograd, m) {
+  m.impl("solve", TORCH_BOX(&solve_without_python));
+  m.impl("solve_kernel", TORCH_BOX(&solve_without_python));
 }

@@ -1,0 +1,97 @@
+"""The package as pip builds it: the C++ kernel compiled at install on the stable ABI, and an
+install that goes on without it where no compiler works."""
+
+import os
+import shutil
+import subprocess
+import sys
+import sysconfig
+import zipfile
+from pathlib import Path
+
+import pytest
+
+from conftest import require_cpp
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _source_copy(dest: Path) -> Path:
+    """The repository's files (tracked, and untracked ones git does not ignore), without build
+    outputs: what a fresh clone holds."""
+    listed = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+                            cwd=REPO, capture_output=True, check=True).stdout.split(b"\0")
+    for name in filter(None, listed):
+        path = REPO / os.fsdecode(name)
+        if path.is_file() and not path.is_relative_to(REPO / "notebooks"):
+            target = dest / os.fsdecode(name)
+            target.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(path, target)
+    return dest
+
+
+@pytest.mark.slow
+def test_without_a_compiler_the_wheel_installs_and_runs_on_lapack(tmp_path):
+    src = _source_copy(tmp_path / "src")
+    env = {**os.environ, "CC": "false", "CXX": "false", "LDSHARED": "false"}
+    build = subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "-v", "--no-deps", "--no-build-isolation",
+         "--wheel-dir", str(tmp_path / "dist"), str(src)],
+        env=env, capture_output=True, text=True, timeout=300)
+    assert build.returncode == 0, build.stdout[-2000:] + build.stderr[-2000:]
+    notices = [line.strip() for line in (build.stdout + build.stderr).splitlines()
+               if "tridiag_tutorial: the C++ kernel was not built" in line]
+    assert notices, "no line at install says that the C++ kernel was not built"
+    assert "LAPACK" in notices[0]
+    (wheel,) = (tmp_path / "dist").glob("*.whl")
+    with zipfile.ZipFile(wheel) as z:
+        names = z.namelist()
+        assert not [n for n in names if n.endswith((".so", ".pyd"))], names
+        z.extractall(tmp_path / "site")
+    script = """
+import torch, tridiag_tutorial as t
+from tridiag_tutorial import compiled
+assert "site" in t.__file__, t.__file__
+assert not t.cpp_available() and compiled.BUILD_ERROR
+l, d, u = torch.ones(2, 4, dtype=torch.float64), torch.full((2, 5), 3.0, dtype=torch.float64), \
+    torch.ones(2, 4, dtype=torch.float64)
+b = torch.arange(10.0, dtype=torch.float64).reshape(2, 5)
+x = t.tridiagonal_solve(l, d, u, b)
+err = (t.dense_solve(l, d, u, b) - x).abs().max().item()
+try:
+    t.tridiagonal_solve(l, d, u, b, driver="cpp")
+except RuntimeError as e:
+    message = str(e)
+print(f"{err:.0e}|{message}")
+"""
+    # -S: no site processing, so the .pth hooks of an editable install of the repository (make
+    # test's) cannot map the package back to the source tree; the environment's site-packages
+    # come after the extracted wheel on the path.
+    path = os.pathsep.join([str(tmp_path / "site"), sysconfig.get_paths()["purelib"],
+                            sysconfig.get_paths()["platlib"]])
+    run = subprocess.run([sys.executable, "-S", "-c", script], cwd=tmp_path, capture_output=True,
+                         text=True, timeout=120, env={**os.environ, "PYTHONPATH": path})
+    assert run.returncode == 0, run.stderr[-3000:]
+    err, message = run.stdout.strip().splitlines()[-1].split("|", 1)
+    assert float(err) < 1e-12
+    assert "not built when the package was installed" in message and "driver='lapack'" in message
+
+
+def test_the_extension_uses_only_the_stable_abi():
+    """The built library is a limited-API (abi3) module, and every symbol it takes from torch is
+    a C function of the stable ABI's shim (``aoti_torch_*``, ``torch_*``): none of libtorch's or
+    c10's C++ symbols, which change between releases. So one build loads in later torch releases."""
+    require_cpp()
+    from tridiag_tutorial import compiled
+
+    path = compiled.library_path()
+    assert path.endswith(".abi3.so"), path
+    if shutil.which("nm") is None:
+        pytest.skip("nm (binutils) is not installed")
+    out = subprocess.run(["nm", "-D", "--undefined-only", "-C", path], capture_output=True,
+                         text=True, check=True).stdout
+    symbols = [line.split()[-1] for line in out.splitlines() if line.strip()]
+    torch_cpp = [s for s in symbols if s.startswith(("c10::", "at::", "torch::", "caffe2::"))]
+    assert torch_cpp == [], torch_cpp[:10]
+    shim = [s for s in symbols if s.startswith(("aoti_torch_", "torch_"))]
+    assert shim, "the library calls no stable-ABI function: is it the extension?"
