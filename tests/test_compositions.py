@@ -5,16 +5,90 @@ Every cell either equals an independent reference (the same transform applied to
 through ``torch.linalg.inv``, which torch differentiates correctly at every order; its
 ``linalg.solve`` does not) or raises an error that names ``tridiagonal_solve``. A silently wrong
 or missing result fails the test, whichever the expected outcome.
+
+Then the ``driver`` argument (issue 24) through the same machinery: the backward, a
+``torch.utils.checkpoint`` recomputation and a compiled function run the kernel the call names
+(or the automatic choice for its shapes), seen by spies on the kernels' entry points.
 """
 
+import functools
+import threading
+
+import numpy as np
 import pytest
 import torch
+from scipy.linalg import solve_banded
 from torch.autograd import forward_ad as fwAD
 from torch.func import grad, hessian, jacfwd, jacrev, jvp, vjp, vmap
 
-from tridiag_tutorial import to_dense, tridiagonal_solve
+from tridiag_tutorial import (
+    compiled,
+    kernels,
+    lapack,
+    partitioned,
+    to_dense,
+    torch_kernel,
+    tridiag_matmul,
+    tridiagonal_lu_factor,
+    tridiagonal_lu_solve,
+    tridiagonal_solve,
+)
 
-from conftest import make_system, torch_trap
+from conftest import KERNELS, make_system, require_cpp, torch_trap
+
+# --------------------------------------------------------------------------------------------
+# Which kernel ran: spies on the kernels' entry points (tests/test_kernel_matrix.py uses them too).
+# --------------------------------------------------------------------------------------------
+# The functions through which tridiag_tutorial.kernels calls each driver's kernel.
+KERNEL_ENTRIES = {
+    "lapack": [(lapack, "solve"), (lapack, "factor"), (lapack, "factor_solve")],
+    "cpp": [(compiled, "solve")],
+    "sequential": [(torch_kernel, "solve"), (torch_kernel, "factor"), (torch_kernel, "lu_solve")],
+    "partitioned": [(partitioned, "solve")],
+}
+# What driver=None runs on the CPU for one system (the spec of kernels.choose_driver): the C++
+# kernel, where it was built, up to CPP_ONE_SYSTEM_MAX_N unknowns; LAPACK above.
+AUTO_ONE_SMALL_SYSTEM = "cpp" if kernels.cpp_available() else "lapack"
+BIG = kernels.CPP_ONE_SYSTEM_MAX_N + 1
+
+
+class KernelSpy:
+    """Records the driver of every kernel entry point that runs (in :attr:`calls`, with the
+    thread), counting only the outermost call: the partitioned kernel's own calls of the
+    sequential kernel's functions (its small systems, its fallback) are part of it."""
+
+    def __init__(self, monkeypatch):
+        self.calls = []
+        self._local = threading.local()
+        for driver, entries in KERNEL_ENTRIES.items():
+            for module, name in entries:
+                monkeypatch.setattr(module, name, self._wrap(driver, getattr(module, name)))
+
+    def _wrap(self, driver, real):
+        @functools.wraps(real)
+        def spy(*args, **kwargs):
+            depth = getattr(self._local, "depth", 0)
+            if depth == 0:
+                self.calls.append((threading.get_ident(), driver))
+            self._local.depth = depth + 1
+            try:
+                return real(*args, **kwargs)
+            finally:
+                self._local.depth = depth
+        return spy
+
+    def take(self):
+        """The drivers that ran since the last call, in order (this thread's and others')."""
+        drivers = [d for _, d in self.calls]
+        self.calls.clear()
+        return drivers
+
+
+def needs(driver):
+    """Skip (or fail, where it should have been built) a test of the C++ kernel without it."""
+    if driver == "cpp":
+        require_cpp()
+
 
 LOWER, DIAG, UPPER, RHS = make_system(5, seed=11)
 BATCH = DIAG + torch.arange(3, dtype=torch.float64)[:, None]  # 3 diagonals for vmap
@@ -123,65 +197,136 @@ def test_double_backward_eager_and_compiled():
         second(tridiagonal_solve, lambda f: torch.compile(f, backend="aot_eager"))
 
 
-def test_compiled_kernel_choice_is_kept_for_the_backward(monkeypatch):
-    """Compiled under torch_kernel_on_cpu(), forward and backward run the pure-torch kernel,
-    even when the backward runs after the block."""
-    from tridiag_tutorial import lapack
-    from tridiag_tutorial.custom_op import torch_kernel_on_cpu
+def sum_of_squares_grad(lower, d, upper, rhs):
+    """The reference: the gradient with respect to the diagonal of ``sum(solve(...)**2)``."""
+    return grad(lambda d: dense(lower, d, upper, rhs).pow(2).sum())(d)
 
+
+def banded_sum_of_squares_grad(lower, diag, upper, rhs):
+    """The same reference for a real system too large for a dense one, with SciPy's banded
+    solver: ``x = A^{-1} rhs``, ``v = A^{-T} (2 x)`` and the gradient ``-v * x``."""
+    lower, diag, upper, rhs = (t.detach().numpy() for t in (lower, diag, upper, rhs))
+
+    def bands(lo, up):
+        ab = np.zeros((3, diag.shape[-1]))
+        ab[0, 1:], ab[1], ab[2, :-1] = up, diag, lo
+        return ab
+
+    x = solve_banded((1, 1), bands(lower, upper), rhs)
+    v = solve_banded((1, 1), bands(upper, lower), 2 * x)
+    return torch.from_numpy(-v * x)
+
+
+@pytest.mark.parametrize("driver", [None, *KERNELS])
+@pytest.mark.parametrize("compile_", [False, True], ids=["eager", "compiled"])
+def test_backward_runs_on_the_forwards_kernel(monkeypatch, driver, compile_):
+    """The backward solves with ``A^H`` on the kernel that the forward ran, eagerly and through
+    a function compiled with fullgraph=True; with driver=None, the automatic choice."""
+    needs(driver)
+    spy = KernelSpy(monkeypatch)
+    expected = driver or AUTO_ONE_SMALL_SYSTEM
     d = DIAG.clone().requires_grad_()
-    compiled = torch.compile(lambda d: tridiagonal_solve(LOWER, d, UPPER, RHS).pow(2).sum(),
-                             fullgraph=True, backend="aot_eager")
-    with torch_kernel_on_cpu():
-        value = compiled(d)
-    monkeypatch.setattr(lapack, "solve", lambda *a: pytest.fail("LAPACK ran in the backward"))
+
+    def loss(d):
+        return tridiagonal_solve(LOWER, d, UPPER, RHS, driver=driver).pow(2).sum()
+
+    value = (torch.compile(loss, fullgraph=True, backend="aot_eager") if compile_ else loss)(d)
+    assert set(spy.take()) == {expected}
     value.backward()
-    torch.testing.assert_close(d.grad, grad(lambda d: dense(LOWER, d, UPPER, RHS).pow(2).sum())(DIAG))
+    backward = spy.take()
+    assert backward and set(backward) == {expected}, backward
+    torch.testing.assert_close(d.grad, sum_of_squares_grad(LOWER, DIAG, UPPER, RHS))
 
 
-def test_eager_backward_runs_on_the_forwards_kernel(monkeypatch):
-    from tridiag_tutorial import lapack
-    from tridiag_tutorial.custom_op import torch_kernel_on_cpu
+def test_drivers_of_concurrent_calls_do_not_mix(monkeypatch):
+    """While one thread is inside a solve with driver="sequential", another thread's solve with
+    driver=None runs the automatic choice: the driver is the call's argument, not a state that
+    threads share (before issue 24 it was a thread-local context)."""
+    inside, done = threading.Event(), threading.Event()
+    real = torch_kernel.solve
 
-    d = DIAG.clone().requires_grad_()
-    with torch_kernel_on_cpu():
-        value = tridiagonal_solve(LOWER, d, UPPER, RHS).pow(2).sum()
-    for name in ("solve", "gtsv", "factor", "factor_solve"):
-        monkeypatch.setattr(lapack, name, lambda *a, **k: pytest.fail("LAPACK ran in the backward"))
-    value.backward()
-    torch.testing.assert_close(d.grad, grad(lambda d: dense(LOWER, d, UPPER, RHS).pow(2).sum())(DIAG))
+    def blocking(*args):
+        inside.set()
+        assert done.wait(10), "the other thread's solve did not finish"
+        return real(*args)
 
-
-def test_kernel_choice_is_local_to_a_thread(monkeypatch):
-    """While one thread is inside torch_kernel_on_cpu(), another thread's solve runs LAPACK."""
-    import threading
-
-    from tridiag_tutorial import lapack, torch_kernel
-    from tridiag_tutorial.custom_op import torch_kernel_on_cpu
-
-    used, inside, done = [], threading.Event(), threading.Event()
-    real_lapack, real_torch = lapack.solve, torch_kernel.solve
-    monkeypatch.setattr(lapack, "solve", lambda *a: used.append("lapack") or real_lapack(*a))
-    monkeypatch.setattr(torch_kernel, "solve", lambda *a: used.append("torch") or real_torch(*a))
+    monkeypatch.setattr(torch_kernel, "solve", blocking)
+    spy = KernelSpy(monkeypatch)
+    out = {}
 
     def holder():
-        with torch_kernel_on_cpu():
-            inside.set()
-            done.wait(10)
+        out["x"] = tridiagonal_solve(LOWER, DIAG, UPPER, RHS, driver="sequential")
 
     thread = threading.Thread(target=holder)
     thread.start()
-    inside.wait(10)
     try:
-        tridiagonal_solve(LOWER, DIAG, UPPER, RHS)
+        assert inside.wait(10), "the sequential solve did not start"
+        x = tridiagonal_solve(LOWER, DIAG, UPPER, RHS)
     finally:
         done.set()
         thread.join()
-    assert used == ["lapack"]
+    main = threading.get_ident()
+    assert [d for t, d in spy.calls if t == main] == [AUTO_ONE_SMALL_SYSTEM]
+    assert [d for t, d in spy.calls if t != main] == ["sequential"]
+    torch.testing.assert_close(x, dense(LOWER, DIAG, UPPER, RHS))
+    torch.testing.assert_close(out["x"], dense(LOWER, DIAG, UPPER, RHS))
+
+
+@pytest.mark.parametrize("backend", ["eager", "aot_eager"])
+@pytest.mark.parametrize("how", ["argument", "closure"])
+def test_compiled_function_follows_the_driver_it_is_given(monkeypatch, backend, how):
+    """Dynamo guards on the driver: a function compiled with driver="lapack" and then called
+    with "sequential" (an argument, or a closure variable that changed) runs the sequential
+    kernel, forward and backward; called with "lapack" again, LAPACK; then "partitioned". No
+    choice is baked into a graph."""
+    spy = KernelSpy(monkeypatch)
+    drv = "lapack"
+    if how == "argument":
+        compiled_loss = torch.compile(
+            lambda d, drv: tridiagonal_solve(LOWER, d, UPPER, RHS, driver=drv).pow(2).sum(),
+            backend=backend)
+
+        def call(d):
+            return compiled_loss(d, drv)
+    else:
+        call = torch.compile(
+            lambda d: tridiagonal_solve(LOWER, d, UPPER, RHS, driver=drv).pow(2).sum(),
+            backend=backend)
+    reference = sum_of_squares_grad(LOWER, DIAG, UPPER, RHS)
+    for drv in ("lapack", "sequential", "lapack", "partitioned"):  # the closure reads drv
+        d = DIAG.clone().requires_grad_()
+        value = call(d)
+        assert set(spy.take()) == {drv}, drv
+        torch.testing.assert_close(value, dense(LOWER, DIAG, UPPER, RHS).pow(2).sum())
+        value.backward()
+        backward = spy.take()
+        assert backward and set(backward) == {drv}, (drv, backward)
+        torch.testing.assert_close(d.grad, reference)
+
+
+@pytest.mark.parametrize("dynamic", [None, True, False],
+                         ids=["automatic-dynamic", "dynamic", "static"])
+def test_compiled_automatic_choice_follows_the_shapes(monkeypatch, dynamic):
+    """driver=None inside a compiled function: compiled for one system of n = 5 (the C++
+    kernel), then called with shapes that change the automatic choice (one system of
+    n = 5000 or just above CPP_ONE_SYSTEM_MAX_N: LAPACK; a batch of two such systems: the C++
+    kernel), it runs the kernel each shape gets: Dynamo guards on what the choice read."""
+    require_cpp()
+    spy = KernelSpy(monkeypatch)
+    f = torch.compile(lambda l, d, u, b: tridiagonal_solve(l, d, u, b), backend="aot_eager",
+                      dynamic=dynamic)
+    top = kernels.CPP_ONE_SYSTEM_MAX_N
+    for n, batch, expected in [(5, (), "cpp"), (5000, (), "lapack"), (5000, (2,), "cpp"),
+                               (top, (), "cpp"), (top + 1, (), "lapack"), (7, (), "cpp"),
+                               (top + 1, (2,), "cpp")]:
+        lower, diag, upper, rhs = make_system(n, batch, seed=n, dominant=True)
+        x = f(lower, diag, upper, rhs)
+        assert spy.take() == [expected], (n, batch)
+        torch.testing.assert_close(tridiag_matmul(lower, diag, upper, x.unsqueeze(-1)).squeeze(-1),
+                                   rhs, rtol=1e-10, atol=1e-10)
 
 
 def _factored(lower, diag, upper, rhs):
-    from tridiag_tutorial import tridiagonal_lu_factor, tridiagonal_lu_solve
     return tridiagonal_lu_solve(tridiagonal_lu_factor(lower, diag, upper), rhs)
 
 
@@ -215,24 +360,66 @@ def test_vmap_of_jvp_over_rhs_compiles_with_dynamic_shapes(tangent):
         torch.testing.assert_close(compiled(*args), f(dense, *args), rtol=1e-9, atol=1e-11)
 
 
-@pytest.mark.parametrize("n", [5, 100], ids=["sequential", "partitioned"])
-@pytest.mark.parametrize("path", ["solve", "factored"])
-def test_checkpoint_recomputes_on_the_forwards_kernel(monkeypatch, n, path):
-    """Forward under torch_kernel_on_cpu() inside a non-reentrant checkpoint, backward after the
-    block: the recomputation runs on the forward's kernel (it ran on LAPACK, and torch raised
-    CheckpointError: 7 tensors saved in the forward, 5 in the recomputation)."""
+def _factored_on(driver):
+    def solve(lower, diag, upper, rhs):
+        return tridiagonal_lu_solve(tridiagonal_lu_factor(lower, diag, upper, driver=driver), rhs,
+                                    driver=driver)
+    return solve
+
+
+# (path, driver, n): every driver, and driver=None on both sides of CPP_ONE_SYSTEM_MAX_N; the
+# torch-op kernels on both sides of PARTITIONED_MIN_N.
+CHECKPOINTED = [("solve", "lapack", 5), ("solve", "cpp", 5), ("solve", "sequential", 5),
+                ("solve", "sequential", 100), ("solve", "partitioned", 5),
+                ("solve", "partitioned", 100), ("solve", None, 5), ("solve", None, BIG),
+                ("factored", "lapack", 5), ("factored", "sequential", 5),
+                ("factored", "sequential", 100), ("factored", None, 5)]
+
+
+@pytest.mark.parametrize("path, driver, n", CHECKPOINTED,
+                         ids=[f"{p}-{d}-n{n}" for p, d, n in CHECKPOINTED])
+def test_checkpoint_recomputes_on_the_forwards_kernel(monkeypatch, path, driver, n):
+    """``torch.utils.checkpoint(..., use_reentrant=False)`` of a solve: the recomputation at
+    backward time runs the forward's kernel, as many times as the forward did, and then the
+    backward's solve runs on it too. (Before issue 24 the kernel was chosen by a context that
+    the recomputation, outside it, did not see: it ran on LAPACK, and torch raised
+    CheckpointError: 7 tensors saved in the forward, 5 in the recomputation.) With
+    driver=None the automatic choice, made again from the same inputs, is the same kernel."""
     from torch.utils.checkpoint import checkpoint
 
-    from tridiag_tutorial import kernels, lapack
+    needs(driver)
+    spy = KernelSpy(monkeypatch)
+    if path == "solve":
+        solve = functools.partial(tridiagonal_solve, driver=driver)
+        expected = driver or (AUTO_ONE_SMALL_SYSTEM if n < BIG else "lapack")
+    else:
+        solve = _factored_on(driver)
+        expected = driver or "lapack"
+    lower, diag, upper, rhs = make_system(n, seed=n, dominant=n >= BIG)
 
-    solve = tridiagonal_solve if path == "solve" else _factored
-    lower, diag, upper, rhs = make_system(n, seed=n)
+    def loss(d):
+        return solve(lower, d, upper, rhs).pow(2).sum()
+
     d = diag.clone().requires_grad_()
-    with kernels.torch_kernel_on_cpu():
-        value = checkpoint(lambda d: solve(lower, d, upper, rhs).pow(2).sum(), d,
-                           use_reentrant=False)
-    for name in ("solve", "gtsv", "factor", "factor_solve"):
-        monkeypatch.setattr(lapack, name, lambda *a, **k: pytest.fail("LAPACK ran after the block"))
+    value = loss(d)  # without checkpoint: the kernels that a forward and a backward run
+    plain_forward = spy.take()
     value.backward()
-    reference = grad(lambda d: dense(lower, d, upper, rhs).pow(2).sum())(diag)
-    torch.testing.assert_close(d.grad, reference, rtol=1e-9, atol=1e-11)
+    plain_backward = spy.take()
+    reference = d.grad
+    d = diag.clone().requires_grad_()
+    value = checkpoint(loss, d, use_reentrant=False)
+    forward = spy.take()
+    value.backward()
+    recomputed_and_backward = spy.take()
+    assert plain_forward and set(plain_forward) == {expected}, plain_forward
+    assert set(plain_backward) == {expected}, plain_backward
+    assert forward == plain_forward
+    # The backward of the checkpoint is the recomputation (the forward's kernel calls again,
+    # on its kernel) followed by the backward's own.
+    assert recomputed_and_backward == plain_forward + plain_backward, recomputed_and_backward
+    if n < BIG:
+        expected_grad = sum_of_squares_grad(lower, diag, upper, rhs)
+    else:
+        expected_grad = banded_sum_of_squares_grad(lower, diag, upper, rhs)
+    torch.testing.assert_close(d.grad, expected_grad, rtol=1e-9, atol=1e-11)
+    torch.testing.assert_close(reference, expected_grad, rtol=1e-9, atol=1e-11)

@@ -21,7 +21,7 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 __all__ = ["SingleLevelFunction", "enable_single_level_autograd_function",
            "forward_transform_depth", "differentiation_depth", "mode_active", "transform_active",
-           "forward_ad_active", "is_functorch_tensor", "function_apply"]
+           "forward_ad_active", "is_functorch_tensor", "function_apply", "PYTHON_FUNCTION_APPLY"]
 
 #: An ``autograd.Function`` whose ``apply`` records one autograd node on the tensors it is given,
 #: at the current functorch level, without functorch's ``custom_function_call`` (which needs the
@@ -69,16 +69,20 @@ def is_functorch_tensor(t: torch.Tensor) -> bool:
 
 
 _FUNCTION_BASE_APPLY = torch._C._FunctionBase.__dict__["apply"]
+#: Whether ``Function.apply`` is written in Python (torch 2.13) and binds the arguments with
+#: :mod:`inspect` before it calls the C++ ``_FunctionBase.apply``. From torch 2.14 ``apply`` is the
+#: C++ method itself, and :func:`function_apply` is then just ``cls.apply``.
+PYTHON_FUNCTION_APPLY = torch.autograd.Function.__dict__.get("apply") is not _FUNCTION_BASE_APPLY
 
 
 def function_apply(cls, *args):
     """``cls.apply(*args)`` for an ``autograd.Function`` with ``setup_context``, positional
     arguments only, without the :mod:`inspect` binding of the arguments to ``forward``'s
-    signature that ``Function.apply`` performs on every such call (about 10 µs). Without a
-    ``torch.func`` transform, ``Function.apply`` does exactly this after that binding: unwrap
-    dead functorch wrappers and call the C++ ``_FunctionBase.apply``; under a transform it is
-    ``cls.apply`` itself."""
-    if torch._C._are_functorch_transforms_active():
+    signature that torch 2.13's ``Function.apply`` performs on every such call (about 10 µs).
+    Without a ``torch.func`` transform, that ``apply`` does exactly this after the binding: unwrap
+    dead functorch wrappers and call the C++ ``_FunctionBase.apply``; under a transform, and on
+    releases whose ``apply`` is the C++ method itself, this is ``cls.apply``."""
+    if not PYTHON_FUNCTION_APPLY or torch._C._are_functorch_transforms_active():
         return cls.apply(*args)
     args = _unwrap_dead_wrappers(args)
     return _FUNCTION_BASE_APPLY.__get__(None, cls)(*args)

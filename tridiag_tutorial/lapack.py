@@ -25,7 +25,6 @@ Arrays follow the package's convention: ``lower[..., i] = A[i+1, i]``, ``diag[..
 
 from __future__ import annotations
 
-import functools
 from typing import NamedTuple
 
 import numpy as np
@@ -38,13 +37,9 @@ __all__ = ["LUFactors", "gtsv", "gttrf", "gttrs", "solve", "factor", "factor_sol
 def get_lapack_funcs(names, arrays):
     """``scipy.linalg.get_lapack_funcs``, imported on first use: importing SciPy's linear algebra
     takes about 0.2 s, which ``import tridiag_tutorial`` should not pay before a solve needs it."""
-    return _scipy_get_lapack_funcs()(names, arrays)
+    from scipy.linalg import get_lapack_funcs as funcs  # after the first call, a dict lookup
 
-
-@functools.cache
-def _scipy_get_lapack_funcs():
-    from scipy.linalg import get_lapack_funcs as funcs
-    return funcs
+    return funcs(names, arrays)
 
 
 class LUFactors(NamedTuple):
