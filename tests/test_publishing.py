@@ -319,6 +319,10 @@ def test_colab_setup_cell(path):
         unquoted = re.sub(r"\"[^\"]*\"|'[^']*'", "", line)
         assert not re.search(r"[<>]", unquoted), (
             f"{path.name}: quote pip specifiers (an unquoted > or < is a shell redirect): {line.strip()!r}")
+    for i in installs:  # built against Colab's own torch: the C++ kernel needs it at build time
+        assert "--no-build-isolation" in lines[i], (
+            f"{path.name}: install with --no-build-isolation, so that the C++ kernel builds "
+            f"against the torch already there: {lines[i].strip()!r}")
     targets = re.findall(r"git\+(https://github\.com/[^\s@\"']+?)(?:\.git)?@([^\s\"'#]+)", first)
     assert targets, f"{path.name}: the set-up cell must install from the repository (git+URL@branch)"
     for target_url, ref in targets:

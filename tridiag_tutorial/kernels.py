@@ -23,6 +23,8 @@ All functions here take validated inputs of one batch shape with a matrix right-
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from . import _validation, compiled, lapack, partitioned
@@ -68,7 +70,9 @@ def choose_driver(device_type: str, dtype: torch.dtype, batch: int, n: int, cpp:
       microseconds. That part is a judgement from the operation counts, not a GPU measurement.
     """
     if device_type == "cpu":
-        if cpp and (batch >= 2 or n <= CPP_ONE_SYSTEM_MAX_N):
+        # n first: for small systems the batch size is not looked at, so a traced or exported
+        # graph does not guard on it
+        if cpp and (n <= CPP_ONE_SYSTEM_MAX_N or batch >= 2):
             return "cpp"
         return "lapack"
     return "partitioned" if n >= PARTITIONED_MIN_N else "sequential"
@@ -100,9 +104,9 @@ def resolve_driver(driver: str | None, rhs: torch.Tensor, name: str = "tridiagon
         ValueError: an unknown driver, or ``"lapack"`` / ``"cpp"`` for tensors not on the CPU.
         RuntimeError: ``"cpp"`` where the C++ kernel was not built.
     """
-    if driver is None:
-        return choose_driver(rhs.device.type, rhs.dtype, rhs.shape[:-2].numel(), rhs.shape[-2],
-                             _CPP)
+    if driver is None:  # math.prod, not numel(): numel() would specialize an exported batch size
+        return choose_driver(rhs.device.type, rhs.dtype, math.prod(rhs.shape[:-2]),
+                             rhs.shape[-2], _CPP)
     return _check_driver(driver, DRIVERS, rhs.device, name)
 
 

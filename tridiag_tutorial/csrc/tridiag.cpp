@@ -638,6 +638,13 @@ Tensor solve_without_python(const Tensor& lower, const Tensor& diag, const Tenso
   return x;
 }
 
+std::tuple<Tensor, Tensor> lu_factor_without_python(const Tensor& lower, const Tensor& diag,
+                                                   const Tensor& upper, std::string driver) {
+  STD_TORCH_CHECK(false, "tridiag_tutorial::lu_factor: factoring needs the Python package "
+                  "(import tridiag_tutorial); this library alone solves from the bands");
+  return {lower, diag};
+}
+
 }  // namespace
 
 // The schemas: one place, here. tridiag_tutorial/ops.py defines the same ones (SCHEMAS) when this
@@ -658,4 +665,5 @@ STABLE_TORCH_LIBRARY_IMPL(tridiag_tutorial, CPU, m) {
 STABLE_TORCH_LIBRARY_IMPL(tridiag_tutorial, CompositeExplicitAutograd, m) {
   m.impl("solve", TORCH_BOX(&solve_without_python));
   m.impl("solve_kernel", TORCH_BOX(&solve_without_python));
+  m.impl("lu_factor", TORCH_BOX(&lu_factor_without_python));
 }
