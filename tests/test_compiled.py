@@ -1,5 +1,9 @@
-"""The compiled C++ kernel (tridiag_tutorial.compiled): dense reference, LAPACK, errors, opcheck."""
+"""The C++ kernel (tridiag_tutorial.compiled; the op torch.ops.tridiag_tutorial.cpp_solve): the
+dense reference, LAPACK's ?gtsv bit for bit (non-finite and singular input included),
+SingularMatrixError, what the raw ops refuse, opcheck, and the public op on it in every
+composition."""
 
+import functools
 import shutil
 
 import numpy as np
@@ -9,22 +13,27 @@ from scipy.linalg import lapack as scipy_lapack
 from torch.autograd import gradcheck, gradgradcheck
 from torch.func import grad, hessian, jacfwd, vmap
 
-from tridiag_tutorial import compiled, dense_solve, lapack, tridiagonal_solve
-
-from conftest import (
-    ALL_DTYPES,
-    assert_close,
-    assert_grads_match_dense,
-    load_compiled_or_skip,
-    make_system,
+from tridiag_tutorial import (
+    SingularMatrixError,
+    compiled,
+    dense_solve,
+    kernels,
+    lapack,
+    tridiagonal_solve,
 )
 
+from conftest import ALL_DTYPES, assert_close, assert_grads_match_dense, make_system, require_cpp
+
 LANES = {torch.float32: 16, torch.complex64: 16, torch.float64: 8, torch.complex128: 8}
+T = torch.ops.tridiag_tutorial
 
 
 @pytest.fixture(scope="module")
 def op():
-    return load_compiled_or_skip()
+    """The kernel as the package calls it: compiled.solve (validated inputs of one batch shape,
+    ``rhs`` ``(*B, n, k)``; SingularMatrixError for a singular system)."""
+    require_cpp()
+    return compiled.solve
 
 
 def as_matrix_rhs(rhs, k):
@@ -36,7 +45,7 @@ def lapack_solve(lower, diag, upper, rhs):
 
 
 def lapack_error(args) -> str:
-    with pytest.raises(torch.linalg.LinAlgError) as err:
+    with pytest.raises(SingularMatrixError) as err:
         lapack_solve(*args)
     return str(err.value)
 
@@ -48,13 +57,17 @@ def lapack_error(args) -> str:
 def test_matches_dense_and_lapack(op, dtype, n, batch, k):
     """Equal to the dense solve to tolerance, and to LAPACK's ?gtsv bit for bit: the kernel does
     ?gtsv's operations in ?gtsv's order (complex products and Smith's division as gfortran
-    evaluates them), so with the OpenBLAS build SciPy ships all four dtypes agree exactly."""
+    evaluates them), so with the OpenBLAS build SciPy ships all four dtypes agree exactly. The
+    raw op returns the same x and info = -1."""
     lower, diag, upper, rhs = make_system(n, batch, k, dtype=dtype, seed=n + len(batch))
     b = as_matrix_rhs(rhs, k)
     x = op(lower, diag, upper, b)
     assert x.shape == b.shape and x.dtype == dtype and x.is_contiguous()
     assert_close(x, as_matrix_rhs(dense_solve(lower, diag, upper, rhs), k), dtype)
     torch.testing.assert_close(x, lapack_solve(lower, diag, upper, b), rtol=0, atol=0)
+    raw_x, info = T.cpp_solve(lower, diag, upper, b)
+    assert info.dtype == torch.int64 and info.shape == () and int(info) == -1
+    torch.testing.assert_close(raw_x, x, rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("dtype", ALL_DTYPES, ids=str)
@@ -89,8 +102,9 @@ def test_pivoting(op, dtype):
 @pytest.mark.parametrize("dtype", ALL_DTYPES, ids=str)
 @pytest.mark.parametrize("batch", [(), (3,), (2, 3), (20,)], ids=str)
 def test_singular_message_equals_lapack(op, dtype, batch):
-    """A zero pivot raises LinAlgError with exactly the LAPACK path's message: the first
-    singular system in C order, and its first zero pivot (here the last one, U[n-1, n-1])."""
+    """A zero pivot raises SingularMatrixError with exactly the LAPACK path's message and
+    attributes: the first singular system in C order, and its first zero pivot (here the last
+    one, U[n-1, n-1]). The raw op reports it as info = system * n + pivot."""
     n = 4
     lower, diag, upper, rhs = make_system(n, batch, 2, dtype=dtype, seed=7)
     flat = [t.reshape(-1, *t.shape[len(batch):]) for t in (lower, diag, upper)]
@@ -99,11 +113,17 @@ def test_singular_message_equals_lapack(op, dtype, batch):
         flat[0][element, -1] = 0.0  # row n-1 = [0, 0, ..., 0]: pivot U[n-1, n-1] is zero
         flat[1][element, -1] = 0.0
     args = (lower, diag, upper, rhs)
-    with pytest.raises(torch.linalg.LinAlgError) as err:
+    with pytest.raises(SingularMatrixError) as err:
         op(*args)
+    assert isinstance(err.value, torch.linalg.LinAlgError)
     assert str(err.value) == lapack_error(args)
     assert f"pivot U[{n - 1}, {n - 1}] is exactly zero" in str(err.value)
     assert ("in batch element" in str(err.value)) == bool(batch)
+    first = last // 2
+    expected_index = tuple(int(i) for i in np.unravel_index(first, batch)) if batch else ()
+    assert err.value.pivot == n - 1 and err.value.batch_index == expected_index
+    _, info = T.cpp_solve(*args)
+    assert int(info) == first * n + n - 1
 
 
 def test_singular_first_pivot_and_zero_columns(op):
@@ -114,11 +134,12 @@ def test_singular_first_pivot_and_zero_columns(op):
         diag[element][0] = 0.0
         lower[element][0] = 0.0
     for b in (rhs, rhs[..., :0]):
-        with pytest.raises(torch.linalg.LinAlgError) as err:
+        with pytest.raises(SingularMatrixError) as err:
             op(lower, diag, upper, b)
         assert str(err.value) == ("the tridiagonal matrix is singular: pivot U[0, 0] is exactly "
                                   "zero, in batch element (1, 0)")
         assert str(err.value) == lapack_error((lower, diag, upper, rhs))
+        assert (err.value.pivot, err.value.batch_index) == (0, (1, 0))
 
 
 def test_nan_stays_in_its_batch_element(op):
@@ -145,7 +166,8 @@ def test_inputs_not_modified(op):
 
 
 def test_non_contiguous_inputs(op):
-    """A transposed rhs, expanded (stride-0) bands, a strided diagonal and a conjugate view."""
+    """A transposed rhs, expanded (stride-0) bands, a strided diagonal, a conjugate view and a
+    negated one."""
     lower, diag, upper, rhs = make_system(7, (), 4, dtype=torch.complex128, seed=11)
     rhs_t = rhs.T.contiguous().T  # (7, 4) with strides (1, 7)
     big = rhs_t.expand(5, 7, 4)
@@ -157,6 +179,11 @@ def test_non_contiguous_inputs(op):
                               for t in (lower, diag, upper.conj().resolve_conj(), rhs)))
     torch.testing.assert_close(x, expected, rtol=0, atol=0)
     assert x.is_contiguous()
+    real_args = [t.real.contiguous() for t in (lower, diag, upper, rhs)]
+    negated = (real_args[0] * 1j).conj().imag  # a view with the negative bit set: -lower.real
+    assert negated.is_neg()
+    torch.testing.assert_close(op(negated, *real_args[1:]),
+                               lapack_solve(-real_args[0], *real_args[1:]), rtol=0, atol=0)
 
 
 def test_one_large_system(op):
@@ -168,93 +195,73 @@ def test_one_large_system(op):
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.complex128], ids=str)
 def test_opcheck(op, dtype):
+    """The raw op, and the package's ops on the C++ kernel: schema, fake kernel, AOT dispatch."""
     args = make_system(6, (3,), 2, dtype=dtype, seed=13)
-    result = torch.library.opcheck(op, tuple(args))
-    assert result and all(v == "SUCCESS" for v in result.values()), result
-
-
-def test_load_is_cached(op):
-    assert compiled.is_loaded()
-    assert compiled.load() is op
-
-
-def test_no_compiler_raises(monkeypatch):
-    """Without a compiler, load() names what is missing and says LAPACK stays the default."""
-    monkeypatch.setattr(compiled, "_op", None)
-    monkeypatch.setenv("CXX", "no-such-compiler-xyz")
-    with pytest.raises(RuntimeError, match="no-such-compiler-xyz.*LAPACK"):
-        compiled.load()
-
-
-def test_import_does_not_compile():
-    import subprocess
-    import sys
-
-    code = ("import tridiag_tutorial, tridiag_tutorial.compiled as c; "
-            "import torch.utils.cpp_extension as e; print(c.is_loaded())")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    assert out.stdout.strip() == "False"
+    for target, extra in ((T.cpp_solve.default, ()),
+                          (T.solve_kernel.default, (None, None, "N", "cpp")),
+                          (T.solve.default, (None, None, "N", "cpp"))):
+        result = torch.library.opcheck(target, (*args, *extra))
+        assert result and all(v == "SUCCESS" for v in result.values()), (target, result)
 
 
 # ----------------------------------------------------------------------------------------------
-# Once loaded, the public op uses the kernel where it measured faster, in every composition.
+# The public op on the C++ kernel: the automatic choice for a batch on the CPU, in every
+# composition, forward and backward (the backward solves with A^H on the same kernel).
 # ----------------------------------------------------------------------------------------------
 @pytest.fixture
-def on_compiled(op, monkeypatch):
-    """The public op with the compiled kernel allowed; counts calls of the kernel and of LAPACK."""
-    from tridiag_tutorial import kernels
-
-    calls = {"compiled": 0, "lapack": 0, "autograd": 0}
-    real_op, real_autograd, real_lapack = compiled._op, compiled._autograd_op, lapack.solve
+def calls(op, monkeypatch):
+    """Counts the calls of the C++ kernel (compiled.solve) and of LAPACK (lapack.solve)."""
+    counts = {"cpp": 0, "lapack": 0}
 
     def counting(key, real):
         def call(*a):
-            calls[key] += 1
+            counts[key] += 1
             return real(*a)
         return call
 
-    monkeypatch.setattr(compiled, "_op", counting("compiled", real_op))
-    monkeypatch.setattr(compiled, "_autograd_op", counting("autograd", real_autograd))
-    monkeypatch.setattr(lapack, "solve", counting("lapack", real_lapack))
-    with kernels.use_compiled(True):
-        yield calls
+    monkeypatch.setattr(compiled, "solve", counting("cpp", compiled.solve))
+    monkeypatch.setattr(lapack, "solve", counting("lapack", lapack.solve))
+    return counts
 
 
 def squared(x):
     return x.abs().pow(2).sum()
 
 
+on_lapack = functools.partial(tridiagonal_solve, driver="lapack")
+
+
 @pytest.mark.parametrize("dtype", [torch.float64, torch.complex128], ids=str)
-def test_public_op_runs_the_kernel_forward_and_backward(on_compiled, dtype):
-    """Reverse mode goes to the op whose backward is in C++ (one call: the backward's solve with
-    A^H happens inside it); a forward without grad calls the kernel directly."""
+def test_public_op_runs_the_kernel_forward_and_backward(calls, dtype):
+    """driver=None on a CPU batch: the forward and the backward's solve with A^H both run the
+    C++ kernel; a forward without grad calls it once."""
     args = make_system(7, (5,), 2, dtype=dtype, requires_grad=True, seed=50)
     grads = torch.autograd.grad(squared(tridiagonal_solve(*args)), args)
-    assert on_compiled == {"compiled": 0, "lapack": 0, "autograd": 1}
+    assert calls == {"cpp": 2, "lapack": 0}
     expected = torch.autograd.grad(squared(dense_solve(*args)), args)
     for g, e in zip(grads, expected):
         assert_close(g, e)
     with torch.no_grad():
         tridiagonal_solve(*args)
-    assert on_compiled == {"compiled": 1, "lapack": 0, "autograd": 1}
+    assert calls == {"cpp": 3, "lapack": 0}
 
 
-# ----------------------------------------------------------------------------------------------
-# The op with its backward in C++ (csrc/tridiag_autograd.cpp): eager reverse mode only.
-# ----------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("dtype", ALL_DTYPES, ids=str)
 @pytest.mark.parametrize("n", [1, 2, 3, 17])
 @pytest.mark.parametrize("batch, k", [((), None), ((3,), None), ((2, 3), 4), ((), 2)], ids=str)
-def test_cpp_backward_matches_dense(on_compiled, dtype, n, batch, k):
+@pytest.mark.parametrize("driver", [None, "cpp"])
+def test_backward_on_the_kernel_matches_dense(calls, dtype, n, batch, k, driver):
     args = make_system(n, batch, k, dtype=dtype, requires_grad=True, seed=60 + n)
-    x = tridiagonal_solve(*args)
-    assert "TridiagonalSolve" in x.grad_fn.name() and on_compiled["autograd"] == 1
+    x = tridiagonal_solve(*args, driver=driver)
+    node = x.grad_fn.next_functions[0][0] if k is None else x.grad_fn  # (..., n): a squeeze last
+    assert "TridiagonalSolve" in node.name()
     grads = torch.autograd.grad(squared(x), args)
+    assert calls == {"cpp": 2, "lapack": 0}
     assert_grads_match_dense(grads, args, squared, dtype)
     assert x.shape == args[3].shape
 
 
-def test_cpp_backward_broadcast_bands_and_some_inputs(on_compiled):
+def test_broadcast_bands_and_some_inputs(calls):
     """Bands broadcast against a batch of right-hand sides (the gradients are summed back to
     the bands' shapes), and only the inputs that require grad get one."""
     lower, diag, upper, rhs = make_system(6, (4,), seed=61)
@@ -270,88 +277,74 @@ def test_cpp_backward_broadcast_bands_and_some_inputs(on_compiled):
     x = tridiagonal_solve(lower.detach(), diag, upper.detach(), rhs)
     (g,) = torch.autograd.grad(squared(x), rhs)
     assert_close(g, torch.autograd.grad(squared(dense_solve(lower, diag, upper, rhs)), rhs)[0])
-    assert on_compiled["autograd"] == 2 and on_compiled["lapack"] == 0
+    assert calls == {"cpp": 4, "lapack": 0}
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.complex128], ids=str)
-def test_cpp_backward_gradcheck_and_double_backward(on_compiled, dtype):
-    """Finite differences, and create_graph=True: the C++ backward records its own solve."""
+def test_gradcheck_forward_ad_and_second_order_on_the_kernel(calls, dtype):
+    """Finite differences (reverse and forward mode, batched gradients) and second order."""
     args = make_system(5, (3,), 2, dtype=dtype, requires_grad=True, seed=62)
-    assert gradcheck(tridiagonal_solve, args)
+    assert gradcheck(tridiagonal_solve, args, check_forward_ad=True, check_batched_grad=True)
     assert gradgradcheck(tridiagonal_solve, args)
     vector = make_system(6, (), dtype=dtype, requires_grad=True, seed=63)
-    assert gradcheck(tridiagonal_solve, vector) and gradgradcheck(tridiagonal_solve, vector)
-    assert on_compiled["autograd"] > 0 and on_compiled["lapack"] == 0
+    solve = functools.partial(tridiagonal_solve, driver="cpp")
+    assert gradcheck(solve, vector) and gradgradcheck(solve, vector)
+    assert calls["cpp"] > 0 and calls["lapack"] == 0
 
 
-def test_cpp_backward_with_batched_grad_outputs(on_compiled):
-    """autograd.grad(is_grads_batched=True) runs the C++ backward under vmap."""
-    args = make_system(5, (2,), requires_grad=True, seed=64)
+@pytest.mark.parametrize("dtype", [torch.float64, torch.complex128], ids=str)
+@pytest.mark.parametrize("batch", [(2,), (9,)], ids=str)
+def test_batched_gradients_on_the_kernel(calls, dtype, batch):
+    """is_grads_batched (also with create_graph) and jacobian(vectorize=True) on the C++
+    kernel, against LAPACK's. (The old C++ backward raised "Cannot access data pointer of
+    Tensor that doesn't have storage" here.)"""
+    args = make_system(5, batch, 2, dtype=dtype, requires_grad=True, seed=90)
+    lower, diag, upper, rhs = args
+
+    def batched_grads(solve, create_graph):
+        x = solve(*args)
+        eye = torch.eye(x.numel(), dtype=dtype).reshape(-1, *x.shape)[:7]
+        return torch.autograd.grad(x, args, eye, is_grads_batched=True, create_graph=create_graph)
+
+    for create_graph in (False, True):
+        expected = batched_grads(on_lapack, create_graph)
+        before = dict(calls)
+        got = batched_grads(tridiagonal_solve, create_graph)
+        assert calls["cpp"] > before["cpp"] and calls["lapack"] == before["lapack"]
+        for g, e in zip(got, expected):
+            assert_close(g, e)
+    jac = {driver: torch.autograd.functional.jacobian(
+        lambda d: tridiagonal_solve(lower, d, upper, rhs, driver=driver), diag, vectorize=True)
+        for driver in ("lapack", "cpp")}
+    assert_close(jac["cpp"], jac["lapack"])
+
+
+def test_vmap_of_autograd_grad_on_the_kernel(calls):
+    """torch.func.vmap over torch.autograd.grad of the op's output: the backward runs with
+    batched cotangents (what is_grads_batched does), forward once."""
+    args = make_system(6, (3,), 2, requires_grad=True, seed=97)
     x = tridiagonal_solve(*args)
-    eye = torch.eye(x.numel(), dtype=x.dtype).reshape(-1, *x.shape)
-    jac = torch.autograd.grad(x, args[3], eye, is_grads_batched=True)[0]
-    dense_jac = torch.autograd.grad(dense_solve(*args), args[3], eye, is_grads_batched=True)[0]
-    assert_close(jac, dense_jac)
-    assert on_compiled["autograd"] == 1
+    assert calls == {"cpp": 1, "lapack": 0}
+    cotangents = torch.randn(4, *x.shape, dtype=x.dtype, generator=torch.Generator().manual_seed(1))
+    got = vmap(lambda v: torch.autograd.grad(x, args, v, retain_graph=True))(cotangents)
+    expected = [torch.stack(g) for g in zip(*(torch.autograd.grad(dense_solve(*args), args, v)
+                                              for v in cotangents))]
+    for g, e in zip(got, expected):
+        assert_close(g, e)
+    assert calls["cpp"] > 1 and calls["lapack"] == 0
 
 
-def test_cpp_backward_is_not_used_where_it_has_no_rule(on_compiled):
-    """Forward-mode AD, torch.func transforms and tensors modes see the Python Function."""
+def test_forward_ad_and_torch_func_on_the_kernel(calls):
     import torch.autograd.forward_ad as fwAD
 
-    args = make_system(5, (2,), requires_grad=True, seed=65)
-    with fwAD.dual_level():
-        dual = fwAD.make_dual(args[1].detach(), torch.ones_like(args[1]))
-        tangent = fwAD.unpack_dual(tridiagonal_solve(args[0], dual, args[2], args[3])).tangent
-    with fwAD.dual_level():
-        dual = fwAD.make_dual(args[1].detach(), torch.ones_like(args[1]))
-        expected = fwAD.unpack_dual(dense_solve(args[0], dual, args[2], args[3])).tangent
-    assert_close(tangent, expected)
-    grad(lambda d: squared(tridiagonal_solve(args[0], d, args[2], args[3])))(args[1])
-    assert on_compiled["autograd"] == 0 and on_compiled["compiled"] > 0
-
-
-def test_cpp_backward_errors_and_inputs(on_compiled):
-    """A singular matrix raises the package's error; the inputs are not modified; modifying the
-    result in place before the backward is caught by autograd."""
-    lower, diag, upper, rhs = make_system(4, (2, 3), seed=66)
-    diag[1, 0, 2], lower[1, 0, 2], upper[1, 0, 1] = 0.0, 0.0, 0.0
-    diag.requires_grad_()
-    with pytest.raises(torch.linalg.LinAlgError,
-                       match=r"pivot U\[2, 2\] is exactly zero, in batch element \(1, 0\)$"):
-        tridiagonal_solve(lower, diag, upper, rhs)
-    args = make_system(6, (3,), requires_grad=True, seed=67)
-    before = [t.detach().clone() for t in args]
-    x = tridiagonal_solve(*args)
-    torch.autograd.grad(squared(x), args)
-    for t, b in zip(args, before):
-        assert torch.equal(t, b)
-    y = tridiagonal_solve(*args)
-    y.mul_(2)
-    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
-        y.sum().backward()
-    assert on_compiled["autograd"] == 3
-
-
-def test_one_large_system_stays_on_lapack(on_compiled):
-    from tridiag_tutorial import kernels
-
-    args = make_system(kernels.COMPILED_ONE_SYSTEM_MAX_N + 1, seed=51)
-    tridiagonal_solve(*args)
-    assert on_compiled == {"compiled": 0, "lapack": 1, "autograd": 0}
-    tridiagonal_solve(*make_system(kernels.COMPILED_ONE_SYSTEM_MAX_N, seed=51))
-    assert on_compiled == {"compiled": 1, "lapack": 1, "autograd": 0}
-
-
-def test_gradcheck_forward_ad_and_second_order_on_the_kernel(on_compiled):
-    args = make_system(5, (3,), 2, requires_grad=True, seed=52)
-    assert gradcheck(tridiagonal_solve, args, check_forward_ad=True)
-    assert gradgradcheck(tridiagonal_solve, args)
-    assert on_compiled["compiled"] > 0 and on_compiled["lapack"] == 0
-
-
-def test_torch_func_transforms_on_the_kernel(on_compiled):
     lower, diag, upper, rhs = make_system(6, (4,), seed=53)
+    with fwAD.dual_level():
+        dual = fwAD.make_dual(diag, torch.ones_like(diag))
+        tangent = fwAD.unpack_dual(tridiagonal_solve(lower, dual, upper, rhs)).tangent
+    with fwAD.dual_level():
+        dual = fwAD.make_dual(diag, torch.ones_like(diag))
+        expected = fwAD.unpack_dual(dense_solve(lower, dual, upper, rhs)).tangent
+    assert_close(tangent, expected)
 
     def f(d):
         return squared(tridiagonal_solve(lower, d, upper, rhs))
@@ -363,10 +356,46 @@ def test_torch_func_transforms_on_the_kernel(on_compiled):
         assert_close(transform(f)(diag), transform(f_dense)(diag))
     diags = diag + 0.1 * torch.arange(3, dtype=torch.float64)[:, None, None]
     assert_close(vmap(grad(f))(diags), vmap(grad(f_dense))(diags))
-    assert on_compiled["compiled"] > 0 and on_compiled["lapack"] == 0
+    assert calls["cpp"] > 0 and calls["lapack"] == 0
 
 
-def test_compile_fullgraph_on_the_kernel(on_compiled):
+def test_errors_and_inputs_on_the_kernel(calls):
+    """A singular matrix raises the package's error (also when a backward would follow); the
+    inputs are not modified; modifying the result in place before the backward is caught by
+    autograd."""
+    lower, diag, upper, rhs = make_system(4, (2, 3), seed=66)
+    diag[1, 0, 2], lower[1, 0, 2], upper[1, 0, 1] = 0.0, 0.0, 0.0
+    diag.requires_grad_()
+    with pytest.raises(SingularMatrixError,
+                       match=r"pivot U\[2, 2\] is exactly zero, in batch element \(1, 0\)$") as err:
+        tridiagonal_solve(lower, diag, upper, rhs)
+    assert (err.value.pivot, err.value.batch_index) == (2, (1, 0))
+    args = make_system(6, (3,), requires_grad=True, seed=67)
+    before = [t.detach().clone() for t in args]
+    x = tridiagonal_solve(*args)
+    torch.autograd.grad(squared(x), args)
+    for t, b in zip(args, before):
+        assert torch.equal(t, b)
+    y = tridiagonal_solve(*args)
+    y.mul_(2)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        y.sum().backward()
+    assert calls == {"cpp": 4, "lapack": 0}
+
+
+def test_one_large_system_stays_on_lapack(calls):
+    """One system of n > CPP_ONE_SYSTEM_MAX_N goes to LAPACK, one of n = CPP_ONE_SYSTEM_MAX_N
+    and a batch of two larger ones to the C++ kernel."""
+    args = make_system(kernels.CPP_ONE_SYSTEM_MAX_N + 1, seed=51)
+    tridiagonal_solve(*args)
+    assert calls == {"cpp": 0, "lapack": 1}
+    tridiagonal_solve(*make_system(kernels.CPP_ONE_SYSTEM_MAX_N, seed=51))
+    assert calls == {"cpp": 1, "lapack": 1}
+    tridiagonal_solve(*make_system(kernels.CPP_ONE_SYSTEM_MAX_N + 1, (2,), seed=51))
+    assert calls == {"cpp": 2, "lapack": 1}
+
+
+def test_compile_fullgraph_on_the_kernel(calls):
     torch._dynamo.reset()
     args = make_system(6, (3,), 2, requires_grad=True, seed=54)
 
@@ -377,39 +406,22 @@ def test_compile_fullgraph_on_the_kernel(on_compiled):
     expected = torch.autograd.grad(squared(dense_solve(*args)), args)
     for g, e in zip(got, expected):
         assert_close(g, e)
-    assert on_compiled["compiled"] > 0 and on_compiled["lapack"] == 0
+    assert calls["cpp"] >= 2 and calls["lapack"] == 0
 
 
-def test_public_op_singular_message_is_unchanged(on_compiled):
+def test_public_op_singular_message_is_unchanged(calls):
     lower, diag, upper, rhs = make_system(4, (2, 3), seed=55)
     diag[1, 0, 2], lower[1, 0, 2], upper[1, 0, 1] = 0.0, 0.0, 0.0
-    with pytest.raises(torch.linalg.LinAlgError,
+    with pytest.raises(SingularMatrixError,
                        match=r"pivot U\[2, 2\] is exactly zero, in batch element \(1, 0\)$"):
         tridiagonal_solve(lower, diag, upper, rhs)
-    assert on_compiled == {"compiled": 1, "lapack": 0, "autograd": 0}
+    assert calls == {"cpp": 1, "lapack": 0}
 
 
-def test_use_compiled_false_keeps_lapack(on_compiled):
-    from tridiag_tutorial import kernels
-
-    with kernels.use_compiled(False):
-        tridiagonal_solve(*make_system(5, (4,), seed=56))
-    assert on_compiled == {"compiled": 0, "lapack": 1, "autograd": 0}
-
-
-def test_bad_input_to_the_raw_op_names_the_problem(op):
-    """The op checks what it relies on (the public function validates before it is reached)."""
-    lower, diag, upper, rhs = make_system(5, (2,), 3, seed=57)
-    with pytest.raises(RuntimeError, match=r"shapes must be lower, upper \(\*B, n-1\)"):
-        op(lower[..., :3], diag, upper, rhs)
-    with pytest.raises(RuntimeError, match=r"one batch shape; got \[2, 4\], \[2, 5\], \[2, 4\], \[1, 5, 3\]"):
-        op(lower, diag, upper, rhs[:1])
-    with pytest.raises(RuntimeError, match="rhs must be \\(\\*B, n, k\\)"):
-        op(lower, diag, upper, rhs[..., 0])
-    with pytest.raises(RuntimeError, match="one dtype"):
-        op(lower.float(), diag, upper, rhs)
-    with pytest.raises(RuntimeError):  # integer tensors: no kernel for them
-        op(*(t.long() for t in (lower, diag, upper, rhs)))
+def test_lapack_driver_keeps_lapack(calls):
+    args = make_system(5, (4,), seed=56, requires_grad=True)
+    torch.autograd.grad(on_lapack(*args).sum(), args)
+    assert calls == {"cpp": 0, "lapack": 2}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -446,8 +458,18 @@ def raw_gtsv_outcome(lower, diag, upper, rhs):
 def outcome(solve, args):
     try:
         return solve(*args), None
-    except torch.linalg.LinAlgError as err:
+    except SingularMatrixError as err:
         return None, str(err)
+
+
+def raw_op_outcome(args):
+    """The raw op's ``(x, info)`` as an outcome: the message that ``info`` = system * n + pivot
+    stands for."""
+    x, info = T.cpp_solve(*args)
+    code, n = int(info), args[1].shape[-1]
+    if code < 0:
+        return x, None
+    return None, singular_message(code % n + 1, code // n, tuple(args[1].shape[:-1]))
 
 
 def assert_same_outcome(got, expected, label):
@@ -511,9 +533,9 @@ def apply_edits(args, system, edits):
 def test_lapack_decisions_on_non_finite_and_singular_input(op, dtype, size):
     """For every family, one system of the batch is edited (the first, the third, the last) and
     the rest are random: the kernel raises exactly when ?gtsv reports info > 0 for some system,
-    with the message naming the first such system and ?gtsv's pivot, and otherwise returns,
-    bit for bit and NaN for NaN, what ?gtsv returns for each system on its own and what the
-    package's LAPACK path (lapack.solve) returns."""
+    with the message naming the first such system and ?gtsv's pivot (the raw op's info says the
+    same), and otherwise returns, bit for bit and NaN for NaN, what ?gtsv returns for each system
+    on its own and what the package's LAPACK path (lapack.solve) returns."""
     cases = 0
     for n in (2, 7):
         for name, edits in non_finite_and_singular_families(n):
@@ -523,6 +545,7 @@ def test_lapack_decisions_on_non_finite_and_singular_input(op, dtype, size):
                 label = f"{dtype}, n={n}, batch {size}, system {system}: {name}"
                 expected = raw_gtsv_outcome(*args)
                 assert_same_outcome(outcome(op, args), expected, label)
+                assert_same_outcome(raw_op_outcome(args), expected, label + " (raw op)")
                 assert_same_outcome(outcome(lapack_solve, args), expected, label + " (LAPACK)")
                 cases += 1
     assert cases > 50
@@ -562,56 +585,27 @@ def test_nan_system_beside_a_singular_one(op, dtype, size):
         expected = raw_gtsv_outcome(*args)
         assert expected[1] == singular_message(1, named, (size,))
         assert_same_outcome(outcome(op, args), expected, f"{dtype}, {size}")
+        assert_same_outcome(raw_op_outcome(args), expected, f"{dtype}, {size} (raw op)")
         assert_same_outcome(outcome(lapack_solve, args), expected, f"{dtype}, {size} (LAPACK)")
 
 
 # ----------------------------------------------------------------------------------------------
-# The C++ backward under batched gradients and vmap (issue 23): the ops have vmap rules
-# (compiled._register_vmap), and the backward leaves batched tensors to ATen operations.
+# The raw ops, called directly: cpp_solve, and the package's solve / solve_kernel with
+# driver="cpp". Under vmap, and on bad input a clear error, never a crash or an uninitialised
+# result.
 # ----------------------------------------------------------------------------------------------
-def on_lapack(f):
-    from tridiag_tutorial import kernels
-
-    with kernels.use_compiled(False):
-        return f()
-
-
-@pytest.mark.parametrize("dtype", [torch.float64, torch.complex128], ids=str)
-@pytest.mark.parametrize("batch", [(2,), (9,)], ids=str)
-def test_cpp_backward_under_batched_gradients(on_compiled, dtype, batch):
-    """is_grads_batched (also with create_graph), jacobian(vectorize=True) and
-    gradcheck(check_batched_grad=True) through the op whose backward is in C++, against the
-    LAPACK path. They raised "Cannot access data pointer of Tensor that doesn't have storage"."""
-    args = make_system(5, batch, 2, dtype=dtype, requires_grad=True, seed=90)
-    lower, diag, upper, rhs = args
-
-    def batched_grads(create_graph):
-        x = tridiagonal_solve(*args)
-        eye = torch.eye(x.numel(), dtype=dtype).reshape(-1, *x.shape)[:7]
-        return torch.autograd.grad(x, args, eye, is_grads_batched=True, create_graph=create_graph)
-
-    for create_graph in (False, True):
-        got = batched_grads(create_graph)
-        calls = on_compiled["autograd"]
-        for g, e in zip(got, on_lapack(lambda: batched_grads(create_graph))):
-            assert_close(g, e)
-        assert calls >= 1
-    f = lambda d: tridiagonal_solve(lower, d, upper, rhs)
-    jac = torch.autograd.functional.jacobian(f, diag, vectorize=True)
-    assert_close(jac, on_lapack(lambda: torch.autograd.functional.jacobian(f, diag,
-                                                                            vectorize=True)))
-    before = dict(on_compiled)
-    assert gradcheck(tridiagonal_solve, args, check_batched_grad=True)
-    assert on_compiled["autograd"] > before["autograd"]
-    assert on_compiled["lapack"] == before["lapack"]
+RAW_OPS = {"cpp_solve": lambda *a: T.cpp_solve(*a)[0],
+           "solve": lambda *a: T.solve(*a, None, None, "N", "cpp"),
+           "solve_kernel": lambda *a: T.solve_kernel(*a, None, None, "N", "cpp")}
 
 
 @pytest.mark.parametrize("dtype", ALL_DTYPES, ids=str)
-@pytest.mark.parametrize("name", ["solve", "solve_autograd"])
+@pytest.mark.parametrize("name", RAW_OPS)
 def test_raw_ops_under_vmap(op, dtype, name):
     """torch.func.vmap of each raw op, over any input (others unbatched) and a non-leading
-    dimension, and over a batch of 1 and of 17: what LAPACK gives for the stacked systems."""
-    raw = getattr(torch.ops.tridiag_tutorial_cpp, name)
+    dimension, and over a batch of 1 and of 17: what LAPACK gives for the stacked systems.
+    (solve and solve_kernel have vmap rules; cpp_solve has none, and runs per sample.)"""
+    raw = RAW_OPS[name]
     for size in (1, 17):
         samples = make_system(6, (size, 3), 2, dtype=dtype, seed=95)
         fixed = [t[0] for t in samples]
@@ -624,88 +618,128 @@ def test_raw_ops_under_vmap(op, dtype, name):
             full = [samples[i] if i == which else fixed[i].expand_as(samples[i]).contiguous()
                     for i in range(4)]
             torch.testing.assert_close(x, lapack_solve(*full), rtol=0, atol=0)
-    if name == "solve_autograd":  # one vector per system
-        samples = make_system(6, (4, 3), dtype=dtype, seed=96)
-        x = vmap(raw)(*samples)
-        expected = lapack_solve(*samples[:3], samples[3].unsqueeze(-1)).squeeze(-1)
-        torch.testing.assert_close(x, expected, rtol=0, atol=0)
+    if name == "cpp_solve":  # info per sample, under vmap
+        lower, diag, upper, rhs = make_system(6, (4, 3), 2, dtype=dtype, seed=96)
+        diag[2, 1, 4], lower[2, 1, 4], upper[2, 1, 3] = 0.0, 0.0, 0.0  # column 4 of (2, 1)
+        _, info = vmap(T.cpp_solve)(lower, diag, upper, rhs)
+        assert info.tolist() == [-1, -1, 1 * 6 + 4, -1]
 
 
-def test_cpp_backward_under_vmap_of_autograd_grad(on_compiled):
-    """torch.func.vmap over torch.autograd.grad of the C++ op's output: the backward runs with
-    batched cotangents (what is_grads_batched does), forward once."""
-    args = make_system(6, (3,), 2, requires_grad=True, seed=97)
-    x = tridiagonal_solve(*args)
-    cotangents = torch.randn(4, *x.shape, dtype=x.dtype, generator=torch.Generator().manual_seed(1))
-    got = vmap(lambda v: torch.autograd.grad(x, args, v, retain_graph=True))(cotangents)
-    expected = [torch.stack(g) for g in zip(*(torch.autograd.grad(dense_solve(*args), args, v)
-                                              for v in cotangents))]
-    for g, e in zip(got, expected):
-        assert_close(g, e)
-    assert on_compiled["autograd"] == 1
+LAYOUTS = {"nested": lambda t: torch.nested.nested_tensor(list(t)),
+           "jagged": lambda t: torch.nested.nested_tensor(list(t), layout=torch.jagged),
+           "sparse": lambda t: t.to_sparse(),
+           "sparse_csr": lambda t: t.to_sparse_csr(),
+           "mkldnn": lambda t: t.float().to_mkldnn()}
+# What each raw op does with a tensor of each layout (measured; either error is acceptable, as
+# long as it is an exception that names the op or the argument, not a crash). cpp_solve has only
+# a CPU kernel, so the dispatcher refuses every other backend. solve and solve_kernel have Python
+# kernels for the dense backends and, beside them, the C++ library's CompositeExplicitAutograd
+# kernel: a sparse or mkldnn tensor reaches that one, whose layout check names the argument; a
+# nested tensor passes solve's Autograd kernel and stops at solve_kernel in the dispatcher.
+BACKEND = {"nested": "AutogradNestedTensor", "jagged": "AutogradNestedTensor",
+           "sparse": "SparseCPU", "sparse_csr": "SparseCsrCPU", "mkldnn": "MkldnnCPU"}
+ARGS = ("lower", "diag", "upper", "rhs")
 
 
-# ----------------------------------------------------------------------------------------------
-# Bad input to the raw ops (issue 23): a clear error, never a crash or an uninitialised result.
-# ----------------------------------------------------------------------------------------------
-RAW_OPS = ["solve", "solve_autograd"]
+def layout_error(name, layout, which):
+    if name == "cpp_solve":
+        return NotImplementedError, (f"Could not run 'tridiag_tutorial::cpp_solve' with arguments "
+                                     f"from the '{BACKEND[layout]}' backend")
+    if layout in ("nested", "jagged"):
+        return NotImplementedError, ("Could not run 'tridiag_tutorial::solve_kernel' with "
+                                     "arguments from the 'AutogradNestedTensor' backend")
+    return RuntimeError, (f"tridiag_tutorial::cpp_solve: {ARGS[which]} must be a dense (strided) "
+                          "tensor")
 
 
+@pytest.mark.filterwarnings("ignore:The PyTorch API of nested tensors:UserWarning")
+@pytest.mark.filterwarnings("ignore:Sparse CSR tensor support is in beta:UserWarning")
+@pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("name", RAW_OPS)
-def test_raw_ops_refuse_other_layouts(op, name):
-    """Nested (strided and jagged), sparse and mkldnn tensors: an error naming the argument.
-    (solve_autograd said "Internal error: NestedTensorImpl doesn't support sizes. Please file an
-    issue"; solve, "Could not run ... with arguments from the ... backend".)"""
-    raw = getattr(torch.ops.tridiag_tutorial_cpp, name)
-    lower, diag, upper, rhs = make_system(5, (2,), 3, seed=98)
-    makers = {"a nested tensor": lambda t: torch.nested.nested_tensor(list(t)),
-              "a nested tensor ": lambda t: torch.nested.nested_tensor(list(t), layout=torch.jagged),
-              "Sparse": lambda t: t.to_sparse(),
-              "Mkldnn": lambda t: t.float().to_mkldnn()}
-    for got, make in makers.items():
-        with pytest.raises(RuntimeError, match=rf"tridiag_tutorial_cpp::{name}: diag must be a "
-                           rf"dense \(strided\) tensor, got {got.strip()}"):
-            raw(lower, make(diag), upper, rhs)
+def test_raw_ops_refuse_other_layouts(op, name, layout):
+    """Nested (strided and jagged), sparse (COO and CSR) and mkldnn tensors, in each argument:
+    an exception with a message that says what is wrong."""
+    args = make_system(5, (2,), 3, seed=98)
+    for which in range(4):
+        bad = list(args)
+        bad[which] = LAYOUTS[layout](bad[which])
+        kind, message = layout_error(name, layout, which)
+        with pytest.raises(kind) as err:
+            RAW_OPS[name](*bad)
+        assert message in str(err.value), (which, str(err.value)[:300])
 
 
 @pytest.mark.parametrize("name", RAW_OPS)
 def test_raw_ops_refuse_mixed_devices(op, name):
-    """One input on meta beside CPU tensors reached the fake kernel, which returned an
-    uninitialised CPU tensor: now ValueError, for each input in turn."""
-    raw = getattr(torch.ops.tridiag_tutorial_cpp, name)
+    """One input on meta beside CPU tensors (once it reached a fake kernel, which returned an
+    uninitialised CPU tensor): ValueError listing the devices, for each input in turn."""
     args = make_system(5, (2,), 3, seed=99)
     for which in range(4):
         mixed = [t.to("meta") if i == which else t for i, t in enumerate(args)]
-        with pytest.raises(ValueError, match="all inputs must be on one device"):
-            raw(*mixed)
+        listed = ", ".join(f"{arg} on {'meta' if i == which else 'cpu'}"
+                           for i, arg in enumerate(ARGS))
+        with pytest.raises(ValueError,
+                           match=f"all inputs must be on the same device, got {listed}$"):
+            RAW_OPS[name](*mixed)
 
 
-@pytest.mark.parametrize("name", RAW_OPS)
-def test_fake_kernel_checks_like_the_kernel(op, name):
-    """On meta tensors (the fake kernel, also what torch.compile traces with) the checks of the
-    C++ kernel hold: shapes, dtypes and n >= 1; good input gives the kernel's shape."""
-    raw = getattr(torch.ops.tridiag_tutorial_cpp, name)
+# Bad input, and what the fake kernel (on meta tensors; also what torch.compile traces with) and
+# the C++ kernel (on CPU tensors) say about it: both refuse the same inputs, each naming the
+# problem in its own words. The fake kernels are the package's Python checks
+# (_validation.validate_kernel_args: ValueError / TypeError); the C++ kernel raises RuntimeError.
+def bad_inputs():
     lower, diag, upper, rhs = make_system(5, (2,), 3, seed=100)
-    assert raw(*(t.to("meta") for t in (lower, diag, upper, rhs))).shape == (2, 5, 3)
-    bad = {"shapes must be": (lower[..., :3], diag, upper, rhs),
-           "one batch shape": (lower, diag, upper, rhs[:1]),
-           "one dtype": (lower.float(), diag, upper, rhs),
-           "dtype must be float32, float64, complex64 or complex128": tuple(
-               t.half() for t in (lower, diag, upper, rhs)),
-           "n must be at least 1": (lower[..., :0], diag[..., :0], upper[..., :0],
-                                    rhs[..., :0, :])}
-    for message, args in bad.items():
-        with pytest.raises(RuntimeError, match=message):
-            raw(*(t.to("meta") for t in args))
-        with pytest.raises(RuntimeError, match=message):  # and the CPU kernel says the same
-            raw(*args)
+    return {
+        "short band": ((lower[..., :3], diag, upper, rhs), ValueError,
+                       r"lower and upper must have n-1 = 4 entries",
+                       r"shapes must be lower, upper \(\*B, n-1\), diag \(\*B, n\), "
+                       r"rhs \(\*B, n, k\)"),
+        "batch shapes": ((lower, diag, upper, rhs[:1]), ValueError,
+                         r"the inputs must have one batch shape \(this op does not broadcast\)",
+                         r"shapes must be lower, upper \(\*B, n-1\), diag \(\*B, n\), rhs "
+                         r"\(\*B, n, k\) with one batch shape"),
+        "mixed dtypes": ((lower.float(), diag, upper, rhs), TypeError,
+                         r"all inputs must have the same dtype, got lower=torch.float32",
+                         r"all inputs must have one dtype"),
+        "half": (tuple(t.half() for t in (lower, diag, upper, rhs)), TypeError,
+                 r"dtype torch.float16 is not supported; use one of torch.float32",
+                 r"dtype must be float32, float64, complex64 or complex128"),
+        "n = 0": ((lower[..., :0], diag[..., :0], upper[..., :0], rhs[..., :0, :]), ValueError,
+                  r"the matrix must be at least 1 x 1", r"n must be at least 1"),
+        "vector rhs": ((lower, diag, upper, rhs[..., 0]), ValueError,
+                       r"rhs must be \(\*batch, n, k\) with n = 5",
+                       r"rhs must be \(\*B, n, k\) for diag \(\*B, n\)"),
+        "scalars": (tuple(t.reshape(-1)[0] for t in (lower, diag, upper, rhs)), ValueError,
+                    r"must have at least one dimension, got a scalar",
+                    r"diag must have a last dimension n"),
+    }
+
+
+@pytest.mark.parametrize("case", list(bad_inputs()))
+@pytest.mark.parametrize("name", RAW_OPS)
+def test_fake_kernel_checks_like_the_kernel(op, name, case):
+    lower, diag, upper, rhs = make_system(5, (2,), 3, seed=100)
+    good = RAW_OPS[name](*(t.to("meta") for t in (lower, diag, upper, rhs)))
+    assert good.shape == (2, 5, 3) and good.device.type == "meta" and good.is_contiguous()
+    args, fake_error, fake_message, real_message = bad_inputs()[case]
+    with pytest.raises(fake_error, match=fake_message):
+        RAW_OPS[name](*(t.to("meta") for t in args))
+    with pytest.raises(RuntimeError, match=f"tridiag_tutorial::cpp_solve: {real_message}"):
+        RAW_OPS[name](*args)
+
+
+def test_cpp_solve_fake_kernel_gives_info():
+    require_cpp()
+    args = [t.to("meta") for t in make_system(5, (2, 3), 1, seed=100)]
+    x, info = T.cpp_solve(*args)
+    assert x.shape == (2, 3, 5, 1) and info.shape == () and info.dtype == torch.int64
 
 
 @pytest.mark.parametrize("name", RAW_OPS)
 def test_raw_ops_empty_and_strided_inputs(op, name):
-    """k = 0, an empty batch, n = 1, expanded, transposed and sliced inputs, integer and half
-    dtypes: a result of the right shape equal to LAPACK's, or an error naming the problem."""
-    raw = getattr(torch.ops.tridiag_tutorial_cpp, name)
+    """k = 0, an empty batch, n = 1, expanded, transposed and sliced inputs, integer, half and
+    bool dtypes: a result of the right shape equal to LAPACK's, or an error naming the problem."""
+    raw = RAW_OPS[name]
     lower, diag, upper, rhs = make_system(5, (3,), 2, seed=101)
     assert raw(lower, diag, upper, rhs[..., :0]).shape == (3, 5, 0)
     assert raw(lower[:0], diag[:0], upper[:0], rhs[:0]).shape == (0, 5, 2)
@@ -718,29 +752,29 @@ def test_raw_ops_empty_and_strided_inputs(op, name):
     for args in (strided, (lower, diag, upper, wide[..., ::2])):
         torch.testing.assert_close(raw(*args), lapack_solve(*(t.contiguous() for t in args)),
                                    rtol=0, atol=0)
-    for dtype, shown in ((torch.int64, "Long"), (torch.float16, "Half"), (torch.bool, "Bool")):
-        with pytest.raises(RuntimeError, match=f"dtype must be float32, float64, complex64 or "
-                                               f"complex128, got {shown}"):
+    for dtype in (torch.int64, torch.float16, torch.bool):
+        with pytest.raises(RuntimeError, match="tridiag_tutorial::cpp_solve: dtype must be "
+                                               "float32, float64, complex64 or complex128"):
             raw(*(t.to(dtype) for t in (lower, diag, upper, rhs)))
 
 
-def test_load_compiled_or_skip_fails_in_ci_when_the_build_fails(monkeypatch):
-    """With CI=true and a compiler on PATH, a failing build (or missing ninja) is a failure, not
-    a skip; without the tools and outside CI it is a skip."""
-    def broken_load(verbose=False):
-        raise RuntimeError("Error building extension 'tridiag_tutorial_cpp'")
+def test_require_cpp_fails_where_the_build_should_have_worked(monkeypatch):
+    """Without the C++ kernel, conftest.require_cpp fails (not skips) in CI (CI=true) and where a
+    C++ compiler is on PATH, naming the build error; elsewhere it skips."""
+    import conftest
 
-    monkeypatch.setattr(compiled, "load", broken_load)
+    monkeypatch.setattr(compiled, "is_available", lambda: False)
+    monkeypatch.setattr(compiled, "BUILD_ERROR", "ImportError: no module named _C (the test)")
     monkeypatch.setenv("CXX", "c++")
-    monkeypatch.setattr(shutil, "which", lambda name: f"/usr/bin/{name}")
     monkeypatch.setenv("CI", "true")
-    for missing in ([], ["ninja (...)"]):
-        monkeypatch.setattr(compiled, "_missing_tools", lambda: missing)
-        with pytest.raises(pytest.fail.Exception, match="Error building extension"):
-            load_compiled_or_skip()
+    for which in (lambda name: f"/usr/bin/{name}", lambda name: None):
+        monkeypatch.setattr(shutil, "which", which)
+        with pytest.raises(pytest.fail.Exception, match=r"no module named _C \(the test\)"):
+            conftest.require_cpp()
     monkeypatch.setenv("CI", "false")
-    with pytest.raises(pytest.skip.Exception, match="ninja"):
-        load_compiled_or_skip()
-    monkeypatch.setattr(compiled, "_missing_tools", lambda: [])
-    with pytest.raises(pytest.fail.Exception):
-        load_compiled_or_skip()
+    monkeypatch.setattr(shutil, "which", lambda name: f"/usr/bin/{name}")
+    with pytest.raises(pytest.fail.Exception, match="although a compiler is here"):
+        conftest.require_cpp()
+    monkeypatch.setattr(shutil, "which", lambda name: None)
+    with pytest.raises(pytest.skip.Exception, match=r"not built at install: ImportError"):
+        conftest.require_cpp()

@@ -1,13 +1,15 @@
 """The partitioned kernel: dense references (pivoting included), its breakdowns and their fallback,
 the operation count that pins O(log n), and the op's compositions on it."""
 
+import functools
+
 import pytest
 import torch
 from torch.autograd import gradcheck, gradgradcheck
 from torch.func import grad, hessian, jacfwd, jacrev, jvp, vmap
 
 from tridiag_tutorial import (
-    benchmarks,
+    SingularMatrixError,
     dense_solve,
     kernels,
     ops,
@@ -16,11 +18,17 @@ from tridiag_tutorial import (
     tridiag_matmul,
     tridiagonal_solve,
 )
-from tridiag_tutorial.custom_op import torch_kernel_on_cpu
 
-from conftest import ALL_DTYPES, assert_close, assert_grads_match_dense, make_system
+from conftest import (
+    ALL_DTYPES,
+    assert_close,
+    assert_grads_match_dense,
+    make_system,
+    torch_ops_driver,
+)
 
-N = kernels.PARTITIONED_MIN_N + 6  # a size the op sends to the partitioned kernel
+N = kernels.PARTITIONED_MIN_N + 6  # a size a GPU's automatic choice sends to the partitioned kernel
+on_partitioned = functools.partial(tridiagonal_solve, driver="partitioned")
 
 
 @pytest.fixture
@@ -124,9 +132,10 @@ def test_nearly_singular_block_is_refined_or_falls_back():
 def test_singular_matrix_raises_through_the_fallback():
     lower, diag, upper, rhs = make_system(N, (2, 3), 1, seed=8)
     diag[1, 0, 40], lower[1, 0, 40], upper[1, 0, 39] = 0.0, 0.0, 0.0  # column 40 is zero
-    with pytest.raises(torch.linalg.LinAlgError,
-                       match=r"singular: pivot U\[40, 40\] is exactly zero, in batch element \(1, 0\)$"):
+    with pytest.raises(SingularMatrixError,
+                       match=r"singular: pivot U\[40, 40\] is exactly zero, in batch element \(1, 0\)$") as err:
         partitioned.solve(lower, diag, upper, rhs)
+    assert err.value.pivot == 40 and err.value.batch_index == (1, 0)
 
 
 def half_row_singular(n, i, g):
@@ -159,7 +168,7 @@ def test_singular_matrix_without_an_exact_zero_pivot_raises(n, rhs_kind, dtype):
         elif rhs_kind == "in-the-range":
             rhs = tridiag_matmul(lower, diag, upper, torch.randn(n, 1, generator=g, dtype=torch.float64))
         lower, diag, upper, rhs = (t.to(dtype) for t in (lower, diag, upper, rhs))
-        with pytest.raises(torch.linalg.LinAlgError, match="singular"):
+        with pytest.raises(SingularMatrixError, match="singular"):
             partitioned.solve(lower, diag, upper, rhs)
 
 
@@ -232,8 +241,7 @@ def test_empty_inputs(shape, no_fallback):
     lower, diag, upper = (torch.randn(*batch, size) for size in (n - 1, n, n - 1))
     x = partitioned.solve(lower, diag, upper, torch.randn(shape))
     assert x.shape == shape
-    with torch_kernel_on_cpu():
-        assert tridiagonal_solve(lower, diag, upper, torch.randn(shape)).shape == shape
+    assert on_partitioned(lower, diag, upper, torch.randn(shape)).shape == shape
 
 
 @pytest.mark.parametrize("n", [11, 12, 13, 22])
@@ -265,6 +273,8 @@ def test_block_must_be_at_least_two():
 
 
 def count_ops(fn, *args):
+    from tridiag_tutorial import benchmarks
+
     return benchmarks._count_operations(lambda: fn(*args))
 
 
@@ -283,6 +293,8 @@ def test_operation_count_through_the_op_forward_and_backward(monkeypatch):
     """The public op on the torch kernels, forward and backward of all four inputs, n = 1e5:
     the operations of its kernel calls (counted inside them: a dispatch mode around the whole
     call would see each custom op as one operation)."""
+    from tridiag_tutorial import benchmarks
+
     counts, original = [], ops._kernel  # kernels.solve
 
     def counting(*a):
@@ -293,32 +305,36 @@ def test_operation_count_through_the_op_forward_and_backward(monkeypatch):
 
     monkeypatch.setattr(ops, "_kernel", counting)
     args = make_system(10**5, (), 1, seed=11, dominant=True, requires_grad=True)
-    with torch_kernel_on_cpu():
-        x = tridiagonal_solve(*args)
-        torch.autograd.grad(x.square().sum(), args)
+    x = tridiagonal_solve(*args, driver=torch_ops_driver(10**5))
+    torch.autograd.grad(x.square().sum(), args)
     assert len(counts) == 2  # the forward's solve, and the backward's with A^T
     assert all(1000 < c < 4000 for c in counts), counts
 
 
-def test_the_op_chooses_by_size(monkeypatch):
+def test_the_torch_ops_choice_goes_by_size(monkeypatch):
+    """The driver a GPU gets (conftest.torch_ops_driver: kernels.choose_driver for "cuda") is the
+    partitioned kernel from PARTITIONED_MIN_N on; a CPU solve with driver=None never runs it."""
     calls, original = [], partitioned.solve
-    monkeypatch.setattr(partitioned, "solve", lambda *a: calls.append(a[1].shape[-1]) or original(*a))
+    monkeypatch.setattr(partitioned, "solve",
+                        lambda *a: calls.append(a[1].shape[-1]) or original(*a))
     for n in (kernels.PARTITIONED_MIN_N - 1, kernels.PARTITIONED_MIN_N):
         args = make_system(n, (2,), 1, seed=n)
-        with torch_kernel_on_cpu():
-            assert_close(tridiagonal_solve(*args), dense(*args))
-        tridiagonal_solve(*args)  # LAPACK, on the CPU by default
+        assert torch_ops_driver(n) == ("sequential" if n < kernels.PARTITIONED_MIN_N else "partitioned")
+        assert_close(tridiagonal_solve(*args, driver=torch_ops_driver(n)), dense(*args))
+        tridiagonal_solve(*args)  # LAPACK or the C++ kernel, on the CPU by default
     assert calls == [kernels.PARTITIONED_MIN_N]
 
 
-def test_use_partitioned_false_keeps_the_sequential_kernel(monkeypatch):
+def test_sequential_driver_keeps_the_sequential_kernel(monkeypatch):
+    """driver="sequential" at a size the automatic choice would partition: forward, backward
+    and compiled, the partitioned kernel never runs."""
     monkeypatch.setattr(partitioned, "solve", lambda *a: pytest.fail("the partitioned kernel ran"))
     args = make_system(N, (2,), 1, seed=16, requires_grad=True)
-    with torch_kernel_on_cpu(), kernels.use_partitioned(False):
-        x = tridiagonal_solve(*args)
-        grads = torch.autograd.grad(x.square().sum(), args)
-        compiled = torch.compile(lambda *a: tridiagonal_solve(*a).square().sum(), fullgraph=True)
-        assert_close(torch.autograd.grad(compiled(*args), args)[1], grads[1])
+    x = tridiagonal_solve(*args, driver="sequential")
+    grads = torch.autograd.grad(x.square().sum(), args)
+    compiled = torch.compile(lambda *a: tridiagonal_solve(*a, driver="sequential").square().sum(),
+                             fullgraph=True)
+    assert_close(torch.autograd.grad(compiled(*args), args)[1], grads[1])
     assert_grads_match_dense(grads, args, lambda x: x.square().sum())
 
 
@@ -329,50 +345,45 @@ def test_backward_solves_with_the_adjoint_on_the_partitioned_kernel(monkeypatch)
     monkeypatch.setattr(torch_kernel, "factor", lambda *a: pytest.fail("factored"))
     args = make_system(N, (2,), 2, dtype=torch.complex128, requires_grad=True, seed=12)
     loss = lambda x: x.abs().square().sum()
-    with torch_kernel_on_cpu():
-        grads = torch.autograd.grad(loss(tridiagonal_solve(*args)), args)
+    grads = torch.autograd.grad(loss(on_partitioned(*args)), args)
     assert calls == [1, 1]
     assert_grads_match_dense(grads, args, loss)
 
 
 def test_gradcheck_forward_ad_and_second_order_on_the_partitioned_kernel():
     args = make_system(N, (2,), 2, seed=13, requires_grad=True)
-    with torch_kernel_on_cpu():
-        assert gradcheck(tridiagonal_solve, args, check_forward_ad=True, check_batched_grad=True)
-        assert gradgradcheck(tridiagonal_solve, args)
+    assert gradcheck(on_partitioned, args, check_forward_ad=True, check_batched_grad=True)
+    assert gradgradcheck(on_partitioned, args)
 
 
 def test_torch_func_on_the_partitioned_kernel():
     lower, diag, upper, rhs = make_system(N, (), None, seed=14)
-    f = lambda d: tridiagonal_solve(lower, d, upper, rhs).square().sum()
+    f = lambda d: on_partitioned(lower, d, upper, rhs).square().sum()
     f_dense = lambda d: dense_solve(lower, d, upper, rhs).square().sum()
-    with torch_kernel_on_cpu():
-        assert_close(grad(f)(diag), grad(f_dense)(diag))
-        x_of = lambda d: tridiagonal_solve(lower, d, upper, rhs)
-        x_dense = lambda d: dense_solve(lower, d, upper, rhs)
-        assert_close(jacrev(x_of)(diag), jacrev(x_dense)(diag))
-        assert_close(jacfwd(x_of)(diag), jacrev(x_dense)(diag))
-        t = torch.ones_like(diag)
-        assert_close(jvp(x_of, (diag,), (t,))[1], jvp(x_dense, (diag,), (t,))[1])
-        assert_close(hessian(f)(diag), hessian(f_dense)(diag))
-        diags = diag + torch.linspace(0, 0.1, 3, dtype=diag.dtype)[:, None]
-        assert_close(vmap(grad(f))(diags), vmap(grad(f_dense))(diags))
+    assert_close(grad(f)(diag), grad(f_dense)(diag))
+    x_of = lambda d: on_partitioned(lower, d, upper, rhs)
+    x_dense = lambda d: dense_solve(lower, d, upper, rhs)
+    assert_close(jacrev(x_of)(diag), jacrev(x_dense)(diag))
+    assert_close(jacfwd(x_of)(diag), jacrev(x_dense)(diag))
+    t = torch.ones_like(diag)
+    assert_close(jvp(x_of, (diag,), (t,))[1], jvp(x_dense, (diag,), (t,))[1])
+    assert_close(hessian(f)(diag), hessian(f_dense)(diag))
+    diags = diag + torch.linspace(0, 0.1, 3, dtype=diag.dtype)[:, None]
+    assert_close(vmap(grad(f))(diags), vmap(grad(f_dense))(diags))
 
 
 def test_compiled_on_the_partitioned_kernel(monkeypatch):
     calls, original = [], partitioned.solve
     monkeypatch.setattr(partitioned, "solve", lambda *a: calls.append(1) or original(*a))
     args = make_system(N, (2,), 1, seed=15, requires_grad=True)
-    loss = lambda *a: tridiagonal_solve(*a).square().sum()
+    loss = lambda *a: on_partitioned(*a).square().sum()
     torch._dynamo.reset()
-    with torch_kernel_on_cpu():
-        explanation = torch._dynamo.explain(loss)(*args)
+    explanation = torch._dynamo.explain(loss)(*args)
     assert explanation.graph_break_count == 0
     calls.clear()
     torch._dynamo.reset()
-    with torch_kernel_on_cpu():
-        value = torch.compile(loss, fullgraph=True)(*args)
-        grads = torch.autograd.grad(value, args)
+    value = torch.compile(loss, fullgraph=True)(*args)
+    grads = torch.autograd.grad(value, args)
     assert calls == [1, 1]  # forward, and the backward's solve with A^T
     assert_grads_match_dense(grads, args, lambda x: x.square().sum())
 

@@ -53,6 +53,7 @@ class SingularMatrixError(torch.linalg.LinAlgError):
     def __init__(self, pivot: int, batch_index: tuple = (), detail: str | None = None):
         self.pivot = int(pivot)
         self.batch_index = tuple(int(i) for i in batch_index)
+        self.detail = detail
         message = f"the tridiagonal matrix is singular: pivot U[{self.pivot}, {self.pivot}] is exactly zero"
         if self.batch_index:
             message += f", in batch element {self.batch_index}"
@@ -68,7 +69,7 @@ class SingularMatrixError(torch.linalg.LinAlgError):
         return cls(pivot, where)
 
     def __reduce__(self):  # pickles (multiprocessing) with its attributes
-        return (type(self), (self.pivot, self.batch_index))
+        return (type(self), (self.pivot, self.batch_index, self.detail))
 
 
 class Problem(NamedTuple):

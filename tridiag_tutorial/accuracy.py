@@ -10,7 +10,7 @@ reference ``x_ref`` is LAPACK's float64 solution refined with residuals in NumPy
 Ratios are taken only where LAPACK's error is below ``1e-2`` (elsewhere neither answer has
 digits to compare). Singular constructions (a zero row, a row that is a multiple of the next,
 a rank-1 2 x 2 block) are counted apart: how many raise
-:class:`torch.linalg.LinAlgError` on LAPACK and on the kernel, and how many disagree.
+:class:`~tridiag_tutorial.SingularMatrixError` on LAPACK and on the kernel, and how many disagree.
 
 ``python -m tridiag_tutorial.accuracy --out notebooks/data/accuracy_results.json`` measures the
 kernel as it is (``after``) and the kernel before refinement was added (``before``: ``git show
@@ -34,6 +34,7 @@ import numpy as np
 import torch
 
 from . import lapack, partitioned, torch_kernel
+from ._validation import SingularMatrixError
 
 __all__ = ["FAMILIES", "SINGULAR_FAMILIES", "make", "reference", "forward_error", "measure", "main"]
 
@@ -120,8 +121,9 @@ def _residual_long(lower, diag, upper, rhs, x):
 
 def reference(lower, diag, upper, rhs, steps: int = 6):
     """``A^{-1} rhs`` in ``longdouble``: LAPACK's float64 solve refined with ``longdouble``
-    residuals (``A`` and ``rhs`` as given, converted exactly). Raises ``LinAlgError`` where
-    float64 LAPACK meets an exact zero pivot."""
+    residuals (``A`` and ``rhs`` as given, converted exactly). Raises
+    :class:`~tridiag_tutorial.SingularMatrixError` where float64 LAPACK meets an exact zero
+    pivot."""
     lo, d, up = (np.asarray(t, dtype=np.float64) for t in (lower, diag, upper))
     x = lapack.gtsv(lo, d, up, np.asarray(rhs, dtype=np.float64)).astype(np.longdouble)
     for _ in range(steps):
@@ -146,7 +148,8 @@ def _torch(*arrays):
 
 
 def _kernel_solve(solve, system):
-    """``(x, fell_back)`` of ``solve`` (a module's ``solve``) on one system; raises LinAlgError."""
+    """``(x, fell_back)`` of ``solve`` (a module's ``solve``) on one system; raises
+    :class:`~tridiag_tutorial.SingularMatrixError`."""
     calls, original = [], torch_kernel.solve
 
     def counting(*args):
@@ -180,12 +183,12 @@ def measure(solve, families=FAMILIES, singular=SINGULAR_FAMILIES, systems=None, 
                     try:
                         x_lapack = lapack.gtsv(*system)
                         lapack_error = None
-                    except torch.linalg.LinAlgError:
+                    except SingularMatrixError:
                         lapack_error = "raised"
                     try:
                         x, fell_back = _kernel_solve(solve, system)
                         kernel_error = None
-                    except torch.linalg.LinAlgError:
+                    except SingularMatrixError:
                         kernel_error, fell_back = "raised", True
                     fallbacks += fell_back
                     raised += kernel_error is not None

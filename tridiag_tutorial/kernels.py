@@ -89,8 +89,10 @@ def _check_driver(driver, allowed, device: torch.device, name: str) -> str:
         raise ValueError(f"{name}: driver must be None or one of {', '.join(map(repr, allowed))}, "
                          f"got {driver!r}")
     if driver in _CPU_ONLY and device.type != "cpu":
+        others = [repr(d) for d in allowed if d not in _CPU_ONLY]
+        use = ", ".join(["driver=None"] + others[:-1]) + " or " + others[-1]
         raise ValueError(f"{name}: driver={driver!r} runs on CPU tensors only, got tensors on "
-                         f"{device}; use driver=None, 'sequential' or 'partitioned'")
+                         f"{device}; use {use}")
     if driver == "cpp" and not _CPP:
         raise RuntimeError(f"{name}: driver='cpp': " + compiled._missing_message())
     return driver

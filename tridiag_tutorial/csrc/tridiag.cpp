@@ -648,7 +648,7 @@ std::tuple<Tensor, Tensor> lu_factor_without_python(const Tensor& lower, const T
 }  // namespace
 
 // The schemas: one place, here. tridiag_tutorial/ops.py defines the same ones (SCHEMAS) when this
-// library is absent (no compiler at install), and tests/test_extension.py checks they agree.
+// library is absent (no compiler at install), and tests/test_install.py checks they agree.
 STABLE_TORCH_LIBRARY(tridiag_tutorial, m) {
   m.def("solve(Tensor lower, Tensor diag, Tensor upper, Tensor rhs, Tensor? lu, Tensor? pivots, "
         "str trans, str driver) -> Tensor");
