@@ -9,9 +9,12 @@ Usage, after `make book` (or through `make book-check`):
 
     .venv/bin/python tests/browser_check.py [_build/html] [--screenshot _build/screenshot-chapter.png]
 
-Chromium is Debian's `chromium` package (or a Chrome/Chromium found on PATH), driven by
-Playwright for Python. Playwright's own browser download is never used. tests/test_book_html.py
-imports this module; it installs Debian's chromium with apt-get when it runs as root.
+Chromium is Debian's `chromium` package (or a Chrome/Chromium found on PATH, or $CHROMIUM),
+driven by Playwright for Python. Playwright's own browser download is never used. Nothing here
+installs anything while checking: the set-up step `make browser-setup` (this script with
+`--install`) installs Debian's chromium with apt-get when none is found and it runs as root.
+tests/test_book_html.py imports this module; without a browser its browser tests are skipped with
+the reason, except in CI (`CI=true`), where a missing browser fails them.
 """
 
 from __future__ import annotations
@@ -56,7 +59,7 @@ RAW_TEX_MARKERS = ("$$", "\\begin{", "\\end{", "\\[", "\\]", "\\(", "\\)", "\\fr
 
 
 # ----------------------------------------------------------------------------------------------
-# Finding (or installing) Chromium
+# Finding Chromium (installing it only in the set-up step, `make browser-setup`)
 # ----------------------------------------------------------------------------------------------
 def find_chromium() -> str | None:
     """Path of a Chromium-family browser: $CHROMIUM, else the first of CHROMIUM_NAMES on PATH."""
@@ -70,19 +73,30 @@ def find_chromium() -> str | None:
     return None
 
 
-def ensure_chromium(install: bool = True) -> tuple[str | None, str]:
-    """Return ``(path, "")``, or ``(None, reason)`` when no browser is available.
+def in_ci() -> bool:
+    """True in CI (``CI=true``, as GitHub Actions sets it): a missing browser is then a failure."""
+    return os.environ.get("CI", "").lower() == "true"
 
-    When none is found, ``install`` is true and we are root, installs Debian's ``chromium``
-    with apt-get (``apt-get update`` first).
-    """
+
+def missing_browser_reason() -> str:
+    """Why no browser check can run here, with what to do about it."""
+    if os.environ.get("CHROMIUM"):
+        return (f"$CHROMIUM is set to {os.environ['CHROMIUM']!r}, which does not exist; "
+                "unset it or point it at a Chrome/Chromium binary")
+    return ("no Chromium found (looked for $CHROMIUM and " + ", ".join(CHROMIUM_NAMES) + "): "
+            "run `make browser-setup` (installs Debian's `chromium` as root), or install a "
+            "Chrome/Chromium and put it on PATH or in $CHROMIUM")
+
+
+def install_chromium() -> tuple[str | None, str]:
+    """The set-up step (``make browser-setup``): return ``(path, "")`` of the browser, installing
+    Debian's ``chromium`` with apt-get (``apt-get update`` first) when none is found and we are
+    root; ``(None, reason)`` when there is none and it cannot be installed."""
     path = find_chromium()
     if path:
         return path, ""
     if os.environ.get("CHROMIUM"):
-        return None, f"$CHROMIUM is set to {os.environ['CHROMIUM']!r}, which does not exist"
-    if not install:
-        return None, "no Chromium found (looked for $CHROMIUM and " + ", ".join(CHROMIUM_NAMES) + ")"
+        return None, missing_browser_reason()
     if not hasattr(os, "geteuid") or os.geteuid() != 0:
         return None, ("no Chromium found and not root, so it cannot be installed here: "
                       "install Debian's `chromium` package (apt-get install chromium) "
@@ -96,6 +110,15 @@ def ensure_chromium(install: bool = True) -> tuple[str | None, str]:
             return None, f"`{' '.join(cmd)}` failed ({done.returncode}): {done.stderr[-2000:]}"
     path = find_chromium()
     return (path, "") if path else (None, "apt-get installed chromium, yet no binary was found")
+
+
+def playwright_missing() -> str:
+    """``""`` when Playwright for Python imports, else why not (it is in requirements-pinned.txt)."""
+    try:
+        import playwright.sync_api  # noqa: F401
+    except ImportError as err:
+        return f"Playwright for Python is not installed ({err}): it is pinned in requirements-pinned.txt"
+    return ""
 
 
 # ----------------------------------------------------------------------------------------------
@@ -292,16 +315,33 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("html_dir", nargs="?", default=str(REPO / "_build" / "html"))
     parser.add_argument("--screenshot", default=str(REPO / "_build" / "screenshot-chapter.png"))
-    parser.add_argument("--no-install", action="store_true",
-                        help="do not apt-get install chromium when it is missing")
+    parser.add_argument("--install", action="store_true",
+                        help="set-up step only: find Chromium, apt-get install it when missing "
+                             "(as root), check that Playwright imports, and exit; without a "
+                             "browser this fails only in CI (CI=true)")
     args = parser.parse_args(argv)
+
+    if args.install:
+        chromium, reason = install_chromium()
+        reason = reason or playwright_missing()
+        if not reason:
+            print(f"browser for the book check: {chromium}")
+            return 0
+        if in_ci():  # CI must open the book in a browser: its browser tests would fail anyway
+            print(f"browser set-up failed: {reason}", file=sys.stderr)
+            return 2
+        print(f"no browser for the book check ({reason}); the browser tests will be skipped",
+              file=sys.stderr)
+        return 0
 
     html_dir = Path(args.html_dir)
     if not (html_dir / "index.html").exists():
         print(f"{html_dir} holds no built book: run `make book` first", file=sys.stderr)
         return 2
-    chromium, reason = ensure_chromium(install=not args.no_install)
-    if chromium is None:
+    chromium = find_chromium()
+    reason = "" if chromium else missing_browser_reason()
+    reason = reason or playwright_missing()
+    if reason:
         print(f"browser check not run: {reason}", file=sys.stderr)
         return 2
     _, pages, chapters = toc_pages()

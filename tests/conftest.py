@@ -103,3 +103,104 @@ def require_cpp():
 
 # The four kernels a CPU solve can run on: the values of the public functions' ``driver``.
 KERNELS = list(kernels.DRIVERS)
+
+
+# ----------------------------------------------------------------------------------------------
+# The `slow` marker (registered in pyproject.toml). `make check` runs `-m "not book and not slow"`
+# (about 40 s on a 2-core machine), `make unit` runs everything. The marks are set here by name,
+# so that the test files need none (a test may still carry @pytest.mark.slow itself). Seconds:
+# `pytest --durations` on the 2-core development machine, which was busy: rough figures.
+# A whole module is slow only when it has no fast test: every other module keeps its fast ones.
+SLOW_MODULES = {
+    "test_fuzz",  # subprocess fuzz of every entry point on every driver (20 s, the whole module)
+}
+# "module::function": every parametrization of that test function; "module::function[prefix":
+# those whose parameter ids start with the prefix.
+SLOW_TESTS = {
+    # builds/compiles: torch.compile (Dynamo, AOTAutograd, Inductor) on many graphs
+    "test_kernel_matrix::test_composition_compiled",  # 96 compiled compositions x kernels (32 s)
+    "test_compositions::test_composition[compile",  # the compiled modes; eager stays (10 s)
+    "test_compile::test_inductor_compiles_and_matches",  # Inductor generates and builds C++ (16 s)
+    "test_compositions::test_jacfwd_compiles_with_dynamic_shapes",  # 8 dynamic-shape graphs (9 s)
+    "test_compositions::test_vmap_of_jvp_over_rhs_compiles_with_dynamic_shapes",  # (2 s)
+    "test_factorization::test_compile_fullgraph_forward_and_backward",  # (4 s)
+    "test_factorization::test_compile_fullgraph_on_the_pure_torch_kernel",  # (3 s)
+    "test_kernels::test_compiled_function_recompiles_for_another_driver",  # (3 s)
+    "test_compositions::test_compiled_automatic_choice_follows_the_shapes",  # (3 s)
+    "test_compositions::test_transform_outside_a_compiled_function",  # (2 s)
+    "test_compositions::test_compiled_function_follows_the_driver_it_is_given",  # (2 s)
+    "test_partitioned::test_sequential_driver_keeps_the_sequential_kernel",  # fullgraph (3 s)
+    "test_partitioned::test_compiled_on_the_partitioned_kernel",  # (3 s)
+    "test_compile::test_chapter4_function_breaks_the_graph",  # (1.5 s)
+    "test_compile::test_backward_compiles_fullgraph_with_compiled_autograd",  # (1 s)
+    "test_compiled::test_compile_fullgraph_on_the_kernel",  # (3 s)
+    # subprocesses: each fresh interpreter imports torch (2 to 4 s)
+    "test_install::test_import_loads_no_dynamo_and_builds_nothing",  # fresh interpreters (20 s)
+    "test_install::test_import_costs_little_more_than_torch",  # the same fixture
+    "test_install::test_without_extension_the_package_says_why",  # a child without _C (18 s)
+    "test_install::test_without_extension_every_driver_but_cpp_solves",  # the same fixture
+    "test_install::test_without_extension_cpp_driver_says_how_to_fix_it",  # the same fixture
+    "test_install::test_without_extension_python_defines_the_schemas",  # the same fixture
+    "test_install::test_without_extension_compile_and_gradcheck",  # the same fixture
+    "test_install::test_cpp_library_works_without_the_python_package",  # a child process (4 s)
+    # builds/compiles and subprocess: AOTInductor compiles a package, a child process loads it
+    "test_deploy::test_package_runs_in_a_process_with_only_the_library",
+    "test_deploy::test_package_needs_the_library",
+    # finite-difference checks at larger sizes and on every kernel (test_grad keeps the fast ones)
+    "test_partitioned::test_gradcheck_forward_ad_and_second_order_on_the_partitioned_kernel",  # 31 s
+    "test_kernel_matrix::test_gradcheck",  # every kernel and size (6 s)
+    "test_kernel_matrix::test_gradgradcheck",  # every kernel and size (6 s)
+    # every composition eagerly on every kernel and size: 120 cases (7 s); test_compositions keeps
+    # them on the automatic driver, test_kernels the backward of every kernel
+    "test_kernel_matrix::test_composition_eager",
+    "test_factorization::test_gradcheck_through_the_factors",  # 12 dtype x trans x kernel (8 s)
+    # opcheck's full battery on every registered op (test_grad::test_opcheck stays)
+    "test_grad::test_opcheck_kernel_ops",  # 24 ops x dtypes (4 s)
+    "test_kernel_matrix::test_opcheck",  # on every kernel (2 s)
+    # accuracy families: many matrix constructions x sizes x dtypes against LAPACK
+    "test_partitioned::test_singular_matrix_without_an_exact_zero_pivot_raises",  # 24 cases (15 s)
+    "test_partitioned_accuracy::test_singular_constructions_raise_where_lapack_does",  # (4 s)
+    "test_partitioned_accuracy::test_nearly_singular_blocks_within_ten_times_lapack",  # (1 s)
+    "test_partitioned_accuracy::test_quick_run",  # runs the accuracy benchmark (1.5 s)
+    # n = 1000 against a dense 1000 x 1000 solve, 12 cases (8 s); n = 23 to 100 stay
+    "test_partitioned::test_matches_dense[one-1000-",
+    "test_partitioned::test_matches_dense[batch-1000-",
+    "test_partitioned::test_matches_dense[2d-1000-",
+    # operation counts at n = 1e5 under a dispatch mode (3 to 12 s)
+    "test_partitioned::test_operation_count_grows_like_log_n",
+    "test_partitioned::test_operation_count_through_the_op_forward_and_backward",
+    # benchmarks: the three tests of the quick suite's shared fixture (27 s to run the suite)
+    "test_benchmarks::test_quick_benchmark_runs_and_writes_json",
+    "test_benchmarks::test_quick_benchmark_ends_with_the_interleaved_comparison_with_jax",
+    "test_benchmarks::test_quick_time_stepping_experiment_reports_both_strategies",
+    "test_benchmarks::test_against_jax_pins_each_thread_count_to_as_many_cores",  # subprocesses
+    "test_benchmarks::test_quick_jax_experiment_has_compiled_rows_next_to_eager",  # jax.jit (9 s)
+    "test_benchmarks::test_quick_cliffs_experiment",  # runs the cliffs experiment (3 s)
+    "test_benchmarks::test_jax_rows_compute_what_ours_compute",  # imports and jits JAX (2 s)
+    # each runs the quick suite to merge its rows into a file (1.5 s each)
+    "test_benchmarks::test_merge_without_steps_keeps_the_time_stepping_rows_and_their_machine",
+    "test_benchmarks::test_merge_replaces_the_rows_of_cases_measured_again_and_drops_retired_names",
+}
+
+
+@pytest.hookimpl(tryfirst=True)  # before `-m` deselects by marker
+def pytest_collection_modifyitems(config, items):
+    """Mark the tests of SLOW_MODULES and SLOW_TESTS ``slow``; warn about a name in SLOW_TESTS
+    that its module no longer defines (a renamed test would silently join `make check`)."""
+    import warnings
+
+    prefixes = [name for name in SLOW_TESTS if "[" in name]
+    seen = {}
+    for item in items:
+        module = item.path.stem
+        function = getattr(item, "originalname", None) or item.name.split("[")[0]
+        if (module in SLOW_MODULES or f"{module}::{function}" in SLOW_TESTS
+                or any(f"{module}::{item.name}".startswith(name) for name in prefixes)):
+            item.add_marker(pytest.mark.slow)
+        if getattr(item, "module", None) is not None:
+            seen[module] = item.module
+    for name in sorted(SLOW_TESTS):
+        module, function = name.split("[")[0].split("::")
+        if module in seen and not hasattr(seen[module], function):
+            warnings.warn(pytest.PytestWarning(
+                f"tests/conftest.py SLOW_TESTS names {name}, which {module}.py no longer defines"))

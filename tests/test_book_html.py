@@ -3,7 +3,9 @@
 The build runs `jupyter-book build . -W -n --keep-going` (the command of `make book`) into a
 temporary directory (`--path-output`), so it neither needs nor touches the repository's _build.
 The browser test opens the pages in headless Chromium (tests/browser_check.py) and saves a
-screenshot of the first chapter to _build/screenshot-chapter.png.
+screenshot of the first chapter to _build/screenshot-chapter.png. The browser is installed by the
+set-up step `make browser-setup`, never by the tests: without one they are skipped with the
+reason, except in CI (`CI=true`), where they fail.
 """
 
 from __future__ import annotations
@@ -191,13 +193,39 @@ def test_no_duplicate_inline_scripts(build):
 # ----------------------------------------------------------------------------------------------
 # In a browser
 # ----------------------------------------------------------------------------------------------
+def browser_or_skip() -> str:
+    """The browser's path. Nothing is installed here (that is `make browser-setup`): without a
+    browser or Playwright the browser tests are skipped with the reason, or fail in CI
+    (``CI=true``), where a skip would hide that the book was never opened in a browser."""
+    path = browser_check.find_chromium()
+    reason = "" if path else browser_check.missing_browser_reason()
+    reason = reason or browser_check.playwright_missing()
+    if reason:
+        if browser_check.in_ci():
+            pytest.fail(f"browser check cannot run in CI (CI=true): {reason}", pytrace=False)
+        pytest.skip(f"browser check skipped: {reason}")
+    return path
+
+
 @pytest.fixture(scope="session")
 def chromium():
-    path, reason = browser_check.ensure_chromium(install=True)
-    if path is None:
-        pytest.skip(f"browser check skipped: {reason}")
-    pytest.importorskip("playwright.sync_api", reason="playwright is pinned in requirements-pinned.txt")
-    return path
+    return browser_or_skip()
+
+
+@pytest.mark.parametrize("ci", ["true", ""])
+def test_missing_browser_skips_outside_ci_and_fails_in_ci(monkeypatch, tmp_path, ci):
+    """A missing browser is never installed by the tests: a skip saying what to run, a CI failure."""
+    monkeypatch.setenv("CHROMIUM", str(tmp_path / "no-such-browser"))
+    monkeypatch.setenv("CI", ci)
+    expected = pytest.fail.Exception if ci else pytest.skip.Exception
+    with pytest.raises(expected) as info:
+        browser_or_skip()
+    assert "no-such-browser" in str(info.value)
+    monkeypatch.delenv("CHROMIUM")
+    monkeypatch.setenv("PATH", str(tmp_path))  # no browser on PATH
+    with pytest.raises(expected) as info:
+        browser_or_skip()
+    assert "make browser-setup" in str(info.value)
 
 
 def test_pages_render_in_a_browser(build, chromium):

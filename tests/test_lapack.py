@@ -106,19 +106,19 @@ class _CountingRoutines:
         real = lapack.get_lapack_funcs
 
         def get_lapack_funcs(names, arrays):
-            return tuple(self._wrap(r) for r in real(names, arrays))
+            return tuple(self._wrap(r, r.typecode + n) for n, r in zip(names, real(names, arrays)))
 
         monkeypatch.setattr(lapack, "get_lapack_funcs", get_lapack_funcs)
 
-    def _wrap(self, routine):
+    def _wrap(self, routine, name):
         calls = self.calls
 
         class Counted:
             typecode, dtype = routine.typecode, routine.dtype
 
             def __call__(self, *args, **kwargs):
-                rows = args[3].shape[0] if routine.__name__.endswith("gttrs") else args[1].shape[0]
-                calls.append((routine.__name__, rows))
+                rows = args[3].shape[0] if name.endswith("gttrs") else args[1].shape[0]
+                calls.append((name, rows))
                 return routine(*args, **kwargs)
 
         return Counted()
