@@ -1,14 +1,21 @@
 """Smoke test of the benchmark suite on tiny sizes: it runs and reports; no timing assertions."""
 
+import contextlib
 import importlib.util
 import json
+import os
 
 import numpy as np
 import pytest
 import torch
 import torch.utils.benchmark
 
-from tridiag_tutorial import benchmarks, kernels, lapack, tridiagonal_solve
+from tridiag_tutorial import _compat, benchmarks, compiled, kernels, lapack, ops, tridiagonal_solve
+
+from conftest import require_cpp
+
+ONLY_SWITCHES = ["--steps-only", "--compiled-only", "--jax-only", "--cliffs-only",
+                 "--routes-only", "--torch-kernels-only"]
 
 
 @pytest.fixture(scope="module")
@@ -23,20 +30,34 @@ def has_jax() -> bool:
 
 
 def has_cpp() -> bool:
-    from tridiag_tutorial import compiled
+    return kernels.cpp_available()
 
-    return not compiled._missing_tools()
+
+def can_pin() -> bool:
+    """Whether this platform can set a process's CPU affinity and show its threads' names."""
+    return hasattr(os, "sched_setaffinity") and os.path.isdir("/proc/self/task")
+
+
+def test_help_lists_every_experiment_switch(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        benchmarks.main(["--help"])
+    assert exit_.value.code == 0
+    text = capsys.readouterr().out
+    for switch in ONLY_SWITCHES + ["--quick", "--merge", "--no-compile", "--no-jax", "--no-cpp"]:
+        assert switch in text
 
 
 def test_quick_benchmark_runs_and_writes_json(quick):
     report, saved = quick
     assert saved["machine"]["torch"] == report["machine"]["torch"]
+    assert saved["machine"]["cpp_kernel"] == has_cpp()
     impls = {r["impl"] for r in saved["results"]}
-    assert {"dgtsv (raw LAPACK)", "tridiagonal_solve (final)", "ch4 autograd.Function",
-            "ch5 custom_op", "torch.linalg.solve (dense)", "scipy solve_banded",
-            "pure-torch kernel"} <= impls
+    assert {"dgtsv (raw LAPACK)", "tridiagonal_solve (final)", "tridiagonal_solve (driver='lapack')",
+            "ch4 autograd.Function", "ch5 custom_op", "torch.linalg.solve (dense)",
+            "scipy solve_banded", "pure-torch kernel"} <= impls
     assert (benchmarks.JAX_IMPL in impls) == has_jax()
     assert (benchmarks.FINAL_CPP in impls) == has_cpp()
+    assert not impls & set(benchmarks.RETIRED_IMPLS)
     assert {r["mode"] for r in saved["results"]} == {"forward", "backward"}
     for r in saved["results"]:  # torch.utils.benchmark's blocks, summarised
         assert r["seconds"] > 0 and r["blocks"] >= 1 and r["calls_per_block"] >= 1
@@ -45,13 +66,19 @@ def test_quick_benchmark_runs_and_writes_json(quick):
     assert saved["targets"] and all(t["ratio"] is not None for t in saved["targets"])
 
 
+def pinned(row, threads):
+    """The process that timed ``row`` ran on ``threads`` cores, and torch and XLA's CPU pool each
+    had ``threads`` threads."""
+    return (row["threads"] == threads and len(row["affinity"]) == threads
+            and row["torch_threads"] == threads and row["xla_threads"] == threads)
+
+
 @pytest.mark.skipif(not has_jax(), reason="jax is not installed (it is optional)")
 def test_quick_benchmark_ends_with_the_interleaved_comparison_with_jax(quick):
     saved = quick[1]
     rows = saved["against_jax"]
     assert saved["against_jax_machine"]["jax"] and saved["results"]  # merged, not replaced
-    impls = {"tridiagonal_solve (final)", benchmarks.JAX_IMPL} | (
-        {benchmarks.FINAL_CPP} if has_cpp() else set())
+    impls = {benchmarks.FINAL, benchmarks.FINAL_LAPACK, benchmarks.JAX_IMPL}  # --no-compile
     cases = {(r["n"], r["batch"], r["dtype"], r["mode"]) for r in rows}
     assert {(8, 16), (100, 0)} == {(n, batch) for n, batch, _, _ in cases}
     for n, batch, dtype, mode in cases:
@@ -60,8 +87,43 @@ def test_quick_benchmark_ends_with_the_interleaved_comparison_with_jax(quick):
         assert set(same) == impls
         assert same[benchmarks.JAX_IMPL]["ratio"] == 1.0
         for r in same.values():
-            assert r["seconds"] > 0
+            assert r["seconds"] > 0 and r["compiled"] is False and r["vs_eager"] is None
             assert r["ratio"] == r["seconds"] / same[benchmarks.JAX_IMPL]["seconds"]
+            assert pinned(r, 1) or not can_pin()
+
+
+@pytest.mark.skipif(not has_jax(), reason="jax is not installed (it is optional)")
+@pytest.mark.skipif(not can_pin(), reason="no CPU affinity or /proc on this platform")
+def test_against_jax_pins_each_thread_count_to_as_many_cores():
+    """JAX sizes its CPU thread pool when it starts: each thread count must run in a process of
+    its own on that many cores, or the '1 thread' rows would time JAX on all of them."""
+    cores = len(os.sched_getaffinity(0))
+    lines = []
+    rows = benchmarks.run_against_jax(cases=[(8, 4)], dtypes=(torch.float64,),
+                                      threads=(1, None), min_time=0.001, repeats=1,
+                                      compiled_cases=(), log=lines.append)
+    assert {r["threads"] for r in rows} == {1, cores}
+    for r in rows:
+        assert pinned(r, r["threads"]), r
+    assert any("pinned to cores" in line for line in lines)  # the child's log reaches ours
+    skipped = []
+    assert benchmarks.run_against_jax(threads=(cores + 1,), log=skipped.append) == []
+    assert "no rows" in skipped[0]
+
+
+@pytest.mark.skipif(not has_jax(), reason="jax is not installed (it is optional)")
+def test_quick_jax_experiment_has_compiled_rows_next_to_eager(tmp_path):
+    saved = run_merged_experiment(tmp_path, "--jax-only")
+    rows = saved["against_jax"]
+    compiled_rows = [r for r in rows if r["compiled"]]
+    assert {r["impl"] for r in compiled_rows} == {benchmarks.COMPILED_FINAL}
+    assert {(r["n"], r["batch"], r["dtype"], r["mode"]) for r in compiled_rows} == {
+        (100, 0, dtype, mode) for dtype in ("float32", "float64") for mode in ("forward", "backward")}
+    for r in compiled_rows:
+        eager = next(e for e in rows if (e["impl"], e["n"], e["batch"], e["dtype"], e["mode"]) == (
+            benchmarks.FINAL, r["n"], r["batch"], r["dtype"], r["mode"]))
+        assert r["vs_eager"] == r["seconds"] / eager["seconds"]
+    assert float(saved["against_jax_config"]["wall_seconds"]) > 0
 
 
 @pytest.mark.skipif(not has_jax(), reason="jax is not installed (it is optional)")
@@ -95,6 +157,23 @@ def test_time_is_torch_utils_benchmark_at_the_current_thread_count():
     assert min(m.times) <= m.median <= max(m.times)
 
 
+def test_interleaved_contexts_hold_only_around_their_own_calls():
+    state = {"inside": False}
+    seen = {"a": set(), "b": set()}
+
+    class Inside:
+        def __enter__(self):
+            state["inside"] = True
+
+        def __exit__(self, *exc):
+            state["inside"] = False
+
+    fns = {key: (lambda key=key: seen[key].add(state["inside"])) for key in seen}
+    medians = benchmarks._time_interleaved(fns, 0.0001, 4, contexts={"a": Inside})
+    assert seen == {"a": {True}, "b": {False}} and not state["inside"]
+    assert set(medians) == {"a", "b"}
+
+
 def test_merge_without_steps_keeps_the_time_stepping_rows_and_their_machine(tmp_path):
     old = tmp_path / "old.json"
     row = dict(kernel="LAPACK", dtype="float64", threads=1, n=8, batch=0, k=1, steps=20,
@@ -111,38 +190,48 @@ def test_merge_without_steps_keeps_the_time_stepping_rows_and_their_machine(tmp_
     assert saved["time_stepping_config"] == {"steps": "20"}
 
 
-def test_merge_replaces_the_rows_of_cases_measured_again(tmp_path):
+def test_merge_replaces_the_rows_of_cases_measured_again_and_drops_retired_names(tmp_path):
     quick_case = dict(impl="dgtsv (raw LAPACK)", mode="forward", compiled=False, n=8, batch=0,
                       dtype="float64", threads=1, seconds=123.0)
     other_case = dict(quick_case, n=10**9)
+    retired = dict(other_case, impl="tridiagonal_solve (final, C++ kernel)")
     old = tmp_path / "old.json"
-    old.write_text(json.dumps({"results": [quick_case, other_case]}))
+    old.write_text(json.dumps({"results": [quick_case, other_case, retired]}))
     out = tmp_path / "new.json"
     benchmarks.main(["--quick", "--no-compile", "--no-steps", "--no-jax", "--no-cpp",
                      "--merge", str(old), "--out", str(out)])
     rows = json.loads(out.read_text())["results"]
-    assert other_case in rows and quick_case not in rows
+    assert other_case in rows and quick_case not in rows and retired not in rows
     assert len([r for r in rows if benchmarks._case(r) == benchmarks._case(quick_case)]) == 1
 
 
-@pytest.mark.skipif(not has_cpp(), reason="no C++ tool chain here")
-def test_final_op_rows_run_on_lapack_and_the_cpp_rows_on_the_kernel(monkeypatch):
-    """Once the suite has loaded the C++ kernel, the final op's rows still time LAPACK, and the
-    rows "final, C++ kernel" time the op with its backward in C++."""
-    from tridiag_tutorial import compiled
-
-    compiled.load()
+@pytest.fixture
+def kernel_calls(monkeypatch):
+    """The kernels that run, in order: 'cpp' (compiled.solve) or 'lapack' (lapack.solve)."""
     calls = []
-    for name, module in (("_autograd_op", compiled), ("_op", compiled), ("solve", lapack)):
-        real = getattr(module, name)
-        monkeypatch.setattr(module, name, lambda *a, _n=name, _r=real: calls.append(_n) or _r(*a))
-    args = benchmarks._problem(8, 4, torch.float64)
-    final = "tridiagonal_solve (final)"
-    for impl, expected in ((final, ["solve", "solve"]), (benchmarks.FINAL_CPP, ["_autograd_op"])):
-        calls.clear()
-        benchmarks._torch_callable(benchmarks.TORCH_IMPLS[final], args, "backward",
-                                   benchmarks.CONTEXTS.get(impl, benchmarks._lapack_kernel))()
-        assert calls == expected, impl
+    for name, module in (("cpp", compiled), ("lapack", lapack)):
+        real = module.solve
+        monkeypatch.setattr(module, "solve",
+                            lambda *a, _name=name, _real=real: calls.append(_name) or _real(*a))
+    return calls
+
+
+@pytest.mark.parametrize("n, batch", [(8, 4), (200, 0)])
+def test_final_op_rows_run_the_package_as_installed(kernel_calls, n, batch):
+    """The rows of the final op run the kernel that driver=None chooses: with the C++ kernel
+    built, a batch or one system of n <= 3000 runs on it, forward and backward; the LAPACK and
+    C++ rows run their own kernel whatever the automatic choice."""
+    args = benchmarks._problem(n, batch, torch.float64)
+    installed = "cpp" if has_cpp() else "lapack"
+    expected = {benchmarks.FINAL: installed, benchmarks.FINAL_LAPACK: "lapack"}
+    if has_cpp():
+        expected[benchmarks.FINAL_CPP] = "cpp"
+    impls = {**benchmarks.TORCH_IMPLS, **benchmarks.CPP_IMPLS}
+    for impl, kernel in expected.items():
+        for mode, count in (("forward", 1), ("backward", 2)):
+            kernel_calls.clear()
+            benchmarks._torch_callable(impls[impl], args, mode)()
+            assert kernel_calls == [kernel] * count, (impl, mode)
 
 
 def test_quick_time_stepping_experiment_reports_both_strategies(quick):
@@ -167,21 +256,29 @@ def test_merge_keeps_keys_the_suite_no_longer_produces(tmp_path):
     assert saved["factor_reuse"] == [{"ratio": 1.25}] and saved["time_stepping"]
 
 
-def test_pure_torch_kernel_cases_run_no_lapack_forward_or_backward(monkeypatch):
-    """The kernel's context must cover the backward too, or its solve would go to LAPACK."""
+def test_pure_torch_kernel_cases_run_no_lapack_or_cpp_forward_or_backward(monkeypatch):
+    """The kernel's driver must reach the backward too, or its solve would go to LAPACK / C++."""
     def refuse(*args, **kwargs):
-        raise AssertionError("LAPACK was called in a pure-torch kernel case")
+        raise AssertionError("LAPACK or the C++ kernel was called in a pure-torch kernel case")
 
     for name in ("solve", "factor", "factor_solve"):
         monkeypatch.setattr(lapack, name, refuse)
+    monkeypatch.setattr(compiled, "solve", refuse)
     args = benchmarks._problem(8, 4, torch.float64)
     kernel = "pure-torch kernel"
     for mode in ("forward", "backward"):
-        benchmarks._torch_callable(benchmarks.TORCH_IMPLS[kernel], args, mode,
-                                   benchmarks.CONTEXTS[kernel])()
+        benchmarks._torch_callable(benchmarks.TORCH_IMPLS[kernel], args, mode)()
     for once in (True, False):
         for mode in ("forward", "backward"):
             benchmarks._stepper(8, 4, torch.float64, 2, once, mode, kernel)()
+
+
+def test_lapack_time_stepping_runs_lapack_only(monkeypatch):
+    """The time-stepping rows labelled LAPACK solve on LAPACK, although driver=None would pick
+    the C++ kernel for the solves from the bands."""
+    monkeypatch.setattr(compiled, "solve", lambda *a: pytest.fail("the C++ kernel ran"))
+    for once in (True, False):
+        benchmarks._stepper(8, 4, torch.float64, 2, once, "backward", "LAPACK")()
 
 
 def run_merged_experiment(tmp_path, flag):
@@ -197,12 +294,9 @@ def run_merged_experiment(tmp_path, flag):
 
 
 def test_quick_compiled_kernel_experiment(tmp_path):
-    """--compiled-only builds the C++ kernel and times it beside raw dgtsv and the joined LAPACK
-    solve (and JAX, when installed), merged into an existing results file."""
-    from tridiag_tutorial import compiled
-
-    if compiled._missing_tools():
-        pytest.skip(f"no C++ tool chain here: {compiled._missing_tools()}")
+    """--compiled-only times the C++ kernel built at install beside raw dgtsv and the joined
+    LAPACK solve (and JAX, when installed), merged into an existing results file."""
+    require_cpp()
     saved = run_merged_experiment(tmp_path, "--compiled-only")
     assert saved["compiled_kernel_machine"]
     rows = saved["compiled_kernel"]
@@ -222,8 +316,7 @@ def test_pure_torch_kernel_cases_time_the_sequential_kernel(monkeypatch):
     args = benchmarks._problem(kernels.PARTITIONED_MIN_N, 0, torch.float64)
     kernel = "pure-torch kernel"
     for mode in ("forward", "backward"):
-        benchmarks._torch_callable(benchmarks.TORCH_IMPLS[kernel], args, mode,
-                                   benchmarks.CONTEXTS[kernel])()
+        benchmarks._torch_callable(benchmarks.TORCH_IMPLS[kernel], args, mode)()
 
 
 def test_quick_torch_kernels_experiment(tmp_path):
@@ -273,3 +366,69 @@ def test_quick_cliffs_experiment(tmp_path):
                 for r in case.values():
                     assert r["error"] is None and r["seconds"] > 0
                     assert r["ratio"] == r["seconds"] / case["clean"]["seconds"]
+
+
+def test_cliffs_rows_run_the_kernel_they_name(kernel_calls):
+    """The C++ kernel's cliff rows solve on it, LAPACK's on LAPACK."""
+    found = benchmarks._cliff_kernels(print)
+    args = benchmarks._problem(8, 4, torch.float64)
+    for name, kernel in (("LAPACK", "lapack"), ("C++ kernel", "cpp")):
+        if name not in found:
+            continue
+        kernel_calls.clear()
+        tridiagonal_solve(*args, driver=found[name][0])
+        assert kernel_calls == [kernel]
+
+
+def test_quick_routes_experiment(tmp_path):
+    """--routes-only times the final op against itself with one route removed, chapter 4's
+    Function and the LAPACK (and C++) driver, merged into an existing results file."""
+    saved = run_merged_experiment(tmp_path, "--routes-only")
+    assert saved["routes_machine"] and saved["routes_config"]
+    rows = saved["routes"]
+    routes = set(benchmarks.ROUTES) | (set(benchmarks.CPP_ROUTES) if has_cpp() else set())
+    assert {(r["route"], r["n"], r["batch"], r["mode"]) for r in rows} == {
+        (route, n, batch, mode) for route in routes for n, batch in [(100, 0), (8, 16)]
+        for mode in ("forward", "backward")}
+    for r in rows:
+        base = next(b for b in rows if (b["route"], b["n"], b["batch"], b["mode"]) == (
+            benchmarks.ROUTE_AS_INSTALLED, r["n"], r["batch"], r["mode"]))
+        assert r["seconds"] > 0 and r["dtype"] == "float64" and r["threads"] == 1
+        assert r["ratio"] == r["seconds"] / base["seconds"]
+
+
+@pytest.fixture
+def dispatched(monkeypatch):
+    """Which ways the final op's Function ran: 'op' (the dispatched solve_kernel),
+    'function_apply' (_compat's) and 'Function.apply'."""
+    calls = []
+    real_op, real_function_apply = ops._kernel_op, _compat.function_apply
+    real_apply = ops._TridiagonalSolve.apply
+    monkeypatch.setattr(ops, "_kernel_op", lambda *a: calls.append("op") or real_op(*a))
+    monkeypatch.setattr(_compat, "function_apply",
+                        lambda *a: calls.append("function_apply") or real_function_apply(*a))
+    monkeypatch.setattr(ops._TridiagonalSolve, "apply",
+                        staticmethod(lambda *a: calls.append("Function.apply") or real_apply(*a)))
+    return calls
+
+
+def test_route_switches_change_the_route_and_restore_it(dispatched):
+    args = benchmarks._problem(8, 4, torch.float64)
+    saved = ops._direct, ops._unobserved, ops._apply
+    plain = benchmarks.ROUTES[benchmarks.ROUTE_AS_INSTALLED][0]
+    no_fast_path = benchmarks.ROUTES["without the direct-kernel fast path"][1]
+    function_apply = benchmarks.ROUTES["Function.apply instead of _compat.function_apply"][1]
+
+    def run(mode, switch=contextlib.nullcontext):
+        dispatched.clear()
+        with switch():
+            benchmarks._torch_callable(plain, args, mode)()
+        return list(dispatched)
+
+    assert run("forward") == []  # the direct kernel: no Function, no dispatcher
+    assert run("backward") == ["function_apply"]  # the Function, kernels called directly
+    assert run("forward", no_fast_path) == ["function_apply", "op"]
+    assert run("backward", no_fast_path).count("op") == 2  # forward and backward dispatched
+    assert run("backward", function_apply) == ["Function.apply"]
+    assert (ops._direct, ops._unobserved, ops._apply) == saved
+

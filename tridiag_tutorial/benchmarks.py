@@ -1,4 +1,4 @@
-"""Benchmark every solver in the book against raw LAPACK ``?gtsv`` and JAX, in one process.
+"""Benchmark every solver in the book against raw LAPACK ``?gtsv`` and JAX.
 
 Run::
 
@@ -9,7 +9,9 @@ Run::
 With ``--min-time 0.1 --repeats 4``, the settings of the committed results, the main rows and the
 comparison with JAX took about 17 minutes on a 2-core machine (10 and 7; the time-stepping
 experiment comes on top); the defaults (``--min-time 0.2 --repeats 7``) give each case 3.5 times
-that timing budget.
+that timing budget. The committed comparison with JAX (``--jax-only --min-time 0.1 --repeats 7``,
+compiled rows included) took 12 minutes, the routes (``--routes-only --min-time 0.1
+--repeats 10``) 2.5 minutes.
 
 Method: every figure is a median measured with PyTorch's own ``torch.utils.benchmark``:
 ``Timer.blocked_autorange`` runs the call in blocks (as many calls per block as make the timer's
@@ -23,14 +25,19 @@ Implementations: raw ``?gtsv`` through ``scipy.linalg.lapack`` (the baseline; a 
 the systems of a batch), ``scipy.linalg.solve_banded``, JAX's ``jax.lax.linalg.tridiagonal_solve``
 (jitted, forward and ``jax.grad`` of all four inputs; only when JAX is installed, which the
 package never requires: ``pip install jax``), dense ``torch.linalg.solve`` (including assembling
-the matrix), the pure-torch kernel (:mod:`tridiag_tutorial.torch_kernel`), chapter 4's
-``autograd.Function``, chapter 5's custom op and the final :func:`tridiag_tutorial.tridiagonal_solve`,
-on LAPACK and, built and loaded by the suite, on the C++ kernel (:mod:`tridiag_tutorial.compiled`).
-Modes: ``forward`` and ``backward`` (forward plus the gradients of all four inputs), eager and
-``torch.compile(fullgraph=True)``.
+the matrix), the sequential pure-torch kernel (``driver="sequential"``), chapter 4's
+``autograd.Function``, chapter 5's custom op and the final :func:`tridiag_tutorial.tridiagonal_solve`
+as installed (``driver=None``: on the CPU the C++ kernel for batches and for one system of
+``n <= kernels.CPP_ONE_SYSTEM_MAX_N``, LAPACK otherwise; see
+:func:`tridiag_tutorial.kernels.choose_driver`), and the final op with ``driver="lapack"`` and
+``driver="cpp"``. Modes: ``forward`` and ``backward`` (forward plus the gradients of all four
+inputs), eager and ``torch.compile(fullgraph=True)``.
 
-JAX's CPU backend sizes its thread pool once, when it starts (``XLA_FLAGS``), so the suite cannot
-set it per thread setting; it leaves JAX at its default, which can only favour JAX on one thread.
+JAX's CPU backend sizes its thread pool once, when it starts, from the cores the process may run
+on. So the interleaved comparison with JAX (:func:`run_against_jax`) runs each thread count in a
+process of its own whose CPU affinity is that many cores, set before torch and JAX are imported:
+XLA's pool, LAPACK's and torch's all get those cores (each row records the affinity and the pool
+sizes seen). The JAX rows of the main table run in this process, at JAX's default pool.
 
 The time-stepping experiment (:func:`run_time_stepping`, skipped with ``--no-steps``, alone with
 ``--steps-only``) times an implicit simulation with one fixed matrix, ``u <- A^{-1} u`` for many
@@ -38,6 +45,11 @@ steps, forward and forward + backward, solving every step with
 :func:`~tridiag_tutorial.tridiagonal_solve` against factoring once with
 :func:`~tridiag_tutorial.tridiagonal_lu_factor` and solving with
 :func:`~tridiag_tutorial.tridiagonal_lu_solve`.
+The routes experiment (:func:`run_routes`, ``--routes-only``) times the final op against the same
+op with one of its routes removed (the direct-kernel fast path, the ``inspect``-free
+``Function.apply``, the C++ kernel), and against chapter 4's ``autograd.Function``: a route stays
+only while it pays.
+
 With ``--merge``, keys of the merged file that this run does not produce (such as ``factor_reuse``,
 the measurements of an earlier op that could keep LAPACK's factors for its backward) are kept, and
 so are its result rows of cases this run does not measure.
@@ -47,14 +59,18 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
+import importlib.util
 import json
 import os
 import platform
 import re
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
-from contextlib import nullcontext
+from collections import Counter
 from dataclasses import asdict, dataclass, field
 
 import numpy as np
@@ -67,12 +83,13 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from . import kernels
 from .autograd_function import tridiagonal_solve_function
-from .custom_op import torch_kernel_on_cpu, tridiagonal_solve_custom_op
+from .custom_op import tridiagonal_solve_custom_op
 from .ops import tridiagonal_lu_factor, tridiagonal_lu_solve, tridiagonal_solve
 from .reference import dense_solve
 
 __all__ = ["run", "run_time_stepping", "run_compiled_kernel", "run_torch_kernels",
-           "run_against_jax", "CountOperations", "evaluate_targets", "main"]
+           "run_against_jax", "run_routes", "run_cliffs", "CountOperations", "evaluate_targets",
+           "main"]
 
 SINGLE_SIZES = [10**2, 10**3, 10**4, 10**5, 10**6]
 BATCHES = [(1024, 256), (16384, 64), (100000, 8)]
@@ -135,23 +152,36 @@ def _calls_per_block(timer: benchmark.Timer, min_time: float) -> int:
         number = max(number * 2, int(number * min_time / max(elapsed, 1e-9)))
 
 
-def _time_interleaved(fns: dict, min_time: float, repeats: int) -> dict:
+def _time_interleaved(fns: dict, min_time: float, repeats: int, contexts: dict | None = None
+                      ) -> dict:
     """Median seconds per call of each of ``fns``, timed in alternation (A B, B A, A B, ...), one
     block of each after the other, so that a change in the machine's load affects all alike.
     Each block is a ``Timer.timeit`` of the number of calls that lasts ``min_time``, after one
     untimed call: the first call after a switch runs with the other function's data in the
     caches and its memory freed (measured: without it, JAX's float64 gradient at n = 10^6 timed
-    1.44 times as long as when timed alone), which a loop that calls one function never sees."""
+    1.44 times as long as when timed alone), which a loop that calls one function never sees.
+    ``contexts`` maps some keys to a context manager factory that is entered around every call
+    of that function (its warm-up, calibration and each block) and left before the next."""
+    contexts = contexts or {}
+
+    def within(key):
+        return contexts.get(key, contextlib.nullcontext)()
+
     timers = {}
     for key, fn in fns.items():
-        fn()  # warm up (and compile)
+        with within(key):
+            fn()  # warm up (and compile)
         timers[key] = _timer(fn)
-    numbers = {key: _calls_per_block(t, min_time) for key, t in timers.items()}
+    numbers = {}
+    for key, t in timers.items():
+        with within(key):
+            numbers[key] = _calls_per_block(t, min_time)
     times = {key: [] for key in fns}
     for r in range(repeats):
         for key in (list(fns) if r % 2 == 0 else list(fns)[::-1]):
-            fns[key]()
-            times[key].append(timers[key].timeit(numbers[key]).median)
+            with within(key):
+                fns[key]()
+                times[key].append(timers[key].timeit(numbers[key]).median)
     return {key: statistics.median(t) for key, t in times.items()}
 
 
@@ -209,42 +239,28 @@ def _dense(lower, diag, upper, rhs):
     return dense_solve(lower, diag, upper, rhs)
 
 
+FINAL = "tridiagonal_solve (final)"  # the final op as installed: driver=None
+FINAL_LAPACK = "tridiagonal_solve (driver='lapack')"
+FINAL_CPP = "tridiagonal_solve (driver='cpp')"  # only where the C++ kernel was built
+JAX_IMPL = "jax tridiagonal_solve"
+# Names of earlier suites whose meaning no longer exists: dropped from a --merge'd file.
+# "final, C++ kernel" was the final op after compiled.load(), when the C++ kernel was opt-in.
+RETIRED_IMPLS = ("tridiagonal_solve (final, C++ kernel)",)
+
 TORCH_IMPLS = {
     "torch.linalg.solve (dense)": _dense,
-    "pure-torch kernel": tridiagonal_solve,  # within CONTEXTS["pure-torch kernel"]
+    # the sequential pivoting kernel alone: driver=None would send n >= 64 off the CPU to the
+    # partitioned kernel, which run_torch_kernels times against it
+    "pure-torch kernel": functools.partial(tridiagonal_solve, driver="sequential"),
     "ch4 autograd.Function": tridiagonal_solve_function,
     "ch5 custom_op": tridiagonal_solve_custom_op,
-    "tridiagonal_solve (final)": tridiagonal_solve,
+    FINAL: tridiagonal_solve,
+    FINAL_LAPACK: functools.partial(tridiagonal_solve, driver="lapack"),
 }
-COMPILED = ["ch5 custom_op", "tridiagonal_solve (final)"]
-# The context an implementation runs in: forward *and* backward, since the backward runs the
-# kernel again (a context around the forward alone would leave the backward to LAPACK).
-#
-# "pure-torch kernel" is the sequential pivoting kernel (tridiag_tutorial.torch_kernel) alone:
-# the op would send the systems of n >= 64 to the partitioned kernel, which run_torch_kernels
-# times against it.
-
-
-@contextlib.contextmanager
-def _sequential_torch_kernel():
-    with torch_kernel_on_cpu(), kernels.use_partitioned(False):
-        yield
-
-
-FINAL_CPP = "tridiagonal_solve (final, C++ kernel)"  # the final op once compiled.load() has run
-JAX_IMPL = "jax tridiagonal_solve"
-
-
-def _lapack_kernel():
-    return kernels.use_compiled(False)
-
-
-def _cpp_kernel():
-    return kernels.use_compiled(True)
-
-
-# Every other implementation runs on LAPACK even when the C++ kernel is loaded.
-CONTEXTS = {"pure-torch kernel": _sequential_torch_kernel, FINAL_CPP: _cpp_kernel}
+CPP_IMPLS = {FINAL_CPP: functools.partial(tridiagonal_solve, driver="cpp")}
+COMPILED = ["ch5 custom_op", FINAL]
+# The compiled rows: torch.compile's settings, the same in every experiment.
+COMPILE_OPTIONS = dict(fullgraph=True, dynamic=True)
 
 
 def _wanted(impl: str, n: int, batch: int) -> bool:
@@ -255,9 +271,9 @@ def _wanted(impl: str, n: int, batch: int) -> bool:
     return True
 
 
-def _torch_callable(fn, args, mode, context=None):
+def _torch_callable(fn, args, mode):
     """A no-argument callable that runs ``fn`` forward, or forward + the gradients of all four
-    inputs (``mode="backward"``), entirely within ``context()`` if given."""
+    inputs (``mode="backward"``, with a cotangent of ones)."""
     leaves = [a.detach().requires_grad_() for a in args]
     cotangent = torch.ones_like(args[3])
 
@@ -265,15 +281,7 @@ def _torch_callable(fn, args, mode, context=None):
         x = fn(*leaves)
         return torch.autograd.grad(x, leaves, cotangent)
 
-    run = (lambda: fn(*args)) if mode == "forward" else forward_backward
-    if context is None:
-        return run
-
-    def in_context():
-        with context():
-            return run()
-
-    return in_context
+    return (lambda: fn(*args)) if mode == "forward" else forward_backward
 
 
 def _jax():
@@ -309,15 +317,13 @@ def _jax_callable(args, mode: str):
     return lambda: jax.block_until_ready(fn(*inputs))
 
 
-def _load_cpp_kernel(log) -> bool:
-    """Build (or find cached) and load the C++ kernel; False, with the reason logged, if not."""
+def _cpp_or_log(log) -> bool:
+    """Whether the C++ kernel was built at install (``driver="cpp"``); if not, the reason logged."""
+    if kernels.cpp_available():
+        return True
     from . import compiled
-    try:
-        compiled.load()
-    except Exception as err:  # no compiler or ninja, or a failed build: a missing row, said so
-        log(f"  (no C++ kernel rows: {type(err).__name__}: {str(err).splitlines()[0]})")
-        return False
-    return True
+    log(f"  (no C++ kernel rows: it was not built at install: {compiled.BUILD_ERROR})")
+    return False
 
 
 def run(sizes=SINGLE_SIZES, batches=BATCHES, dtypes=(torch.float32, torch.float64),
@@ -325,9 +331,11 @@ def run(sizes=SINGLE_SIZES, batches=BATCHES, dtypes=(torch.float32, torch.float6
         log=print, progress=None, measurements=None):
     """Measure everything; return a list of :class:`Result` (as dicts).
 
-    ``jax``: also time JAX's ``tridiagonal_solve`` and its gradient when JAX is installed.
-    ``cpp``: also time the final op on the C++ kernel (:mod:`tridiag_tutorial.compiled`, built
-    if needed; the other rows run on LAPACK all the same). ``progress``, if given, is called
+    ``jax``: also time JAX's ``tridiagonal_solve`` and its gradient when JAX is installed (at
+    JAX's default thread pool: :func:`run_against_jax` pins it). ``cpp``: also time the final op
+    with ``driver="cpp"`` where the C++ kernel was built (the rows of the final op as installed,
+    ``driver=None``, use it wherever :func:`~tridiag_tutorial.kernels.choose_driver` picks it,
+    with or without ``cpp``). ``progress``, if given, is called
     with the results so far after each thread count and dtype. ``measurements``, if a list,
     receives every ``torch.utils.benchmark.Measurement`` (for a ``Compare`` table).
     """
@@ -337,7 +345,7 @@ def run(sizes=SINGLE_SIZES, batches=BATCHES, dtypes=(torch.float32, torch.float6
     if jax and _jax() is None:
         log("  (no JAX rows: jax is not installed; pip install jax to add them)")
         jax = False
-    cpp = cpp and _load_cpp_kernel(log)
+    cpp = cpp and _cpp_or_log(log)
     # Each (function, dtype, rank, mode) compiles once with dynamic shapes; all of them share one
     # code object's cache in Dynamo, so the default limit of 8 entries is too small here.
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
@@ -372,20 +380,18 @@ def run(sizes=SINGLE_SIZES, batches=BATCHES, dtypes=(torch.float32, torch.float6
 
                 record("dgtsv (raw LAPACK)", "forward", False, _raw_gtsv(args))
                 record("scipy solve_banded", "forward", False, _solve_banded(args))
-                impls = {**TORCH_IMPLS, **({FINAL_CPP: tridiagonal_solve} if cpp else {})}
+                impls = {**TORCH_IMPLS, **(CPP_IMPLS if cpp else {})}
                 for impl, fn in impls.items():
                     if not _wanted(impl, n, batch):
                         continue
-                    context = CONTEXTS.get(impl, _lapack_kernel)
                     for mode in ("forward", "backward"):
-                        record(impl, mode, False, _torch_callable(fn, args, mode, context))
+                        record(impl, mode, False, _torch_callable(fn, args, mode))
                         if compile and impl in COMPILED:
                             key = (impl, mode, dtype, batch > 0)
                             if key not in compiled_fns:
-                                compiled_fns[key] = torch.compile(fn, fullgraph=True,
-                                                                  dynamic=True)
+                                compiled_fns[key] = torch.compile(fn, **COMPILE_OPTIONS)
                             record(impl, mode, True,
-                                   _torch_callable(compiled_fns[key], args, mode, context))
+                                   _torch_callable(compiled_fns[key], args, mode))
                 # JAX last in each case, so that none of our rows is timed right after it (its
                 # CPU runtime runs worker threads of its own).
                 for mode in ("forward", "backward") if jax else ():
@@ -402,28 +408,32 @@ STEP_CASES = {  # kernel -> (n, batch, k): k right-hand sides per system, None f
     "pure-torch kernel": [(32, 256, None)],
 }
 STEPS = 20
+# kernel -> the driver of both strategies: the factorization, the solves from its factors, and
+# the solves from the bands (LAPACK ?gttrf/?gttrs against ?gtsv; the sequential torch kernel's
+# factor and lu_solve against its solve)
+STEP_DRIVERS = {"LAPACK": "lapack", "pure-torch kernel": "sequential"}
 
 
 def _stepper(n: int, batch: int, dtype, steps: int, factor_once: bool, mode: str, kernel: str,
              k: int | None = None):
     """One simulation of ``steps`` implicit steps; the bands and the initial state require grad
-    in ``backward`` mode, whose loss is the sum of the last state."""
+    in ``backward`` mode, whose loss is the sum of the last state. ``kernel`` is a key of
+    :data:`STEP_DRIVERS`."""
     lower, diag, upper, u0 = _problem(n, batch, dtype, k=k)
-    context = CONTEXTS.get(kernel, nullcontext)
+    driver = STEP_DRIVERS[kernel]
     args = [t.detach().requires_grad_(mode == "backward") for t in (lower, diag, upper, u0)]
 
     def simulate():
-        with context():
-            lower, diag, upper, u = args
-            if factor_once:
-                factors = tridiagonal_lu_factor(lower, diag, upper)
-                for _ in range(steps):
-                    u = tridiagonal_lu_solve(factors, u)
-            else:
-                for _ in range(steps):
-                    u = tridiagonal_solve(lower, diag, upper, u)
-            if mode == "backward":
-                torch.autograd.grad(u.sum(), args)
+        lower, diag, upper, u = args
+        if factor_once:
+            factors = tridiagonal_lu_factor(lower, diag, upper, driver=driver)
+            for _ in range(steps):
+                u = tridiagonal_lu_solve(factors, u, driver=driver)
+        else:
+            for _ in range(steps):
+                u = tridiagonal_solve(lower, diag, upper, u, driver=driver)
+        if mode == "backward":
+            torch.autograd.grad(u.sum(), args)
     return simulate
 
 
@@ -463,11 +473,15 @@ COMPILED_CASES = [(256, 1024), (64, 16384), (8, 100000), (10**5, 0), (10**6, 0)]
 
 def run_compiled_kernel(cases=COMPILED_CASES, threads=(1, None), min_time=0.2, repeats=15,
                         log=print):
-    """Time the compiled kernel (:mod:`tridiag_tutorial.compiled`, built if needed), a Python loop
-    of raw ``dgtsv``, the joined ``lapack.solve`` and, if installed, JAX, forward only, float64.
-    Returns rows with ``seconds``, ``ns_per_unknown`` and ``ratio`` to the ``dgtsv`` loop."""
+    """Time the compiled kernel (:func:`tridiag_tutorial.compiled.solve`: the op
+    ``torch.ops.tridiag_tutorial.cpp_solve`` built at install, and its check of ``info``), a
+    Python loop of raw ``dgtsv``, the joined ``lapack.solve`` and, if installed, JAX, forward
+    only, float64. Returns rows with ``seconds``, ``ns_per_unknown`` and ``ratio`` to the
+    ``dgtsv`` loop. Raises ``RuntimeError`` where the C++ kernel was not built."""
     from . import compiled, lapack
-    op = compiled.load()
+    if not compiled.is_available():
+        raise RuntimeError(compiled._missing_message())
+    op = compiled.solve
     rows = []
     for actual in _each_thread_count(threads):
         for n, batch in cases:
@@ -570,16 +584,17 @@ def _cliff_problems(batch: int, n: int):
 
 
 def _cliff_kernels(log):
-    """Kernel name -> (context factory, which n it takes): LAPACK, the C++ kernel if it builds,
-    the sequential and the partitioned torch kernels."""
-    def partitioned():
-        return torch_kernel_on_cpu()
-    found = {"LAPACK": (_lapack_kernel, lambda n: True)}
-    if _load_cpp_kernel(log):
-        found["C++ kernel"] = (_cpp_kernel, lambda n: True)
-    found["sequential torch kernel"] = (_sequential_torch_kernel,
+    """Kernel name -> (the solve's driver, the factorization's driver, which n it takes): LAPACK,
+    the C++ kernel where it was built (it solves only: its factor rows are LAPACK's), the
+    sequential and the partitioned torch kernels (the partitioned kernel solves only: it factors
+    with the sequential one, as on a GPU)."""
+    found = {"LAPACK": ("lapack", "lapack", lambda n: True)}
+    if _cpp_or_log(log):
+        found["C++ kernel"] = ("cpp", "lapack", lambda n: True)
+    found["sequential torch kernel"] = ("sequential", "sequential",
                                         lambda n: n <= TORCH_KERNEL_MAX_N)
-    found["partitioned torch kernel"] = (partitioned, lambda n: n >= 64)
+    found["partitioned torch kernel"] = ("partitioned", "sequential",
+                                         lambda n: n >= kernels.PARTITIONED_MIN_N)
     return found
 
 
@@ -597,47 +612,47 @@ def run_cliffs(cases=CLIFF_CASES, threads=(1,), min_time=0.2, repeats=15, kernel
         if name not in found:
             log(f"  cliffs: no {name} rows (the kernel is not available)")
             continue
-        context, takes = found[name]
+        solver, factorer, takes = found[name]
         for actual in _each_thread_count(threads):
             for batch, n in cases:
                 if not takes(n):
                     continue
                 problems = _cliff_problems(batch, n)
-                with context():
-                    factors = {}
-                    for label, (lo, d, up, _) in problems.items():
+                factors = {}
+                for label, (lo, d, up, _) in problems.items():
+                    try:
+                        factors[label] = tridiagonal_lu_factor(lo, d, up, driver=factorer)
+                    except Exception as err:  # recorded in the factored-solve rows
+                        factors[label] = err
+                ops = {
+                    "solve": lambda p, label: lambda: tridiagonal_solve(*p, driver=solver),
+                    "factor": lambda p, label: lambda: tridiagonal_lu_factor(
+                        *p[:3], driver=factorer),
+                    "factored solve": lambda p, label: lambda: tridiagonal_lu_solve(
+                        factors[label], p[3], driver=factorer),
+                }
+                for op, make in ops.items():
+                    fns, errors = {}, {}
+                    for label, p in problems.items():
+                        fn = make(p, label)
                         try:
-                            factors[label] = tridiagonal_lu_factor(lo, d, up)
-                        except Exception as err:  # recorded in the factored-solve rows
-                            factors[label] = err
-                    ops = {
-                        "solve": lambda p, label: lambda: tridiagonal_solve(*p),
-                        "factor": lambda p, label: lambda: tridiagonal_lu_factor(*p[:3]),
-                        "factored solve": lambda p, label: lambda: tridiagonal_lu_solve(
-                            factors[label], p[3]),
-                    }
-                    for op, make in ops.items():
-                        fns, errors = {}, {}
-                        for label, p in problems.items():
-                            fn = make(p, label)
-                            try:
-                                fn()
-                                fns[label] = fn
-                            except Exception as err:
-                                errors[label] = f"{type(err).__name__}: {str(err).splitlines()[0]}"
-                        medians = _time_interleaved(fns, min_time, repeats)
-                        for label in problems:
-                            seconds = medians.get(label)
-                            clean = medians.get("clean")
-                            row = dict(kernel=name, op=op, input=label, batch=batch, n=n,
-                                       threads=actual, seconds=seconds,
-                                       ratio=seconds / clean if seconds and clean else None,
-                                       error=errors.get(label))
-                            rows.append(row)
-                            log(f"  cliffs  {name:24s} {op:14s} {batch:>6d} x {n:<4d} "
-                                f"{label:22s} " + (f"{seconds * 1e3:9.3f} ms  ratio "
-                                                   f"{row['ratio']:.2f}" if seconds
-                                                   else f"error {row['error']}"))
+                            fn()
+                            fns[label] = fn
+                        except Exception as err:
+                            errors[label] = f"{type(err).__name__}: {str(err).splitlines()[0]}"
+                    medians = _time_interleaved(fns, min_time, repeats)
+                    for label in problems:
+                        seconds = medians.get(label)
+                        clean = medians.get("clean")
+                        row = dict(kernel=name, op=op, input=label, batch=batch, n=n,
+                                   threads=actual, seconds=seconds,
+                                   ratio=seconds / clean if seconds and clean else None,
+                                   error=errors.get(label))
+                        rows.append(row)
+                        log(f"  cliffs  {name:24s} {op:14s} {batch:>6d} x {n:<4d} "
+                            f"{label:22s} " + (f"{seconds * 1e3:9.3f} ms  ratio "
+                                               f"{row['ratio']:.2f}" if seconds
+                                               else f"error {row['error']}"))
     return rows
 
 
@@ -656,7 +671,7 @@ def _lookup(results, **key):
 
 def evaluate_targets(results):
     """The issue's targets as ratios to the baseline measured in the same run."""
-    final = "tridiagonal_solve (final)"
+    final = FINAL
     base = "dgtsv (raw LAPACK)"
     rows = []
     for (dtype, threads) in sorted({(r["dtype"], r["threads"]) for r in results}):
@@ -698,56 +713,287 @@ def evaluate_targets(results):
 
 
 # Our final op against JAX: the side-by-side that the performance chapter's scorecard renders.
-# Per case and mode, the final op on LAPACK, the final op after compiled.load() and JAX are timed
-# in alternation (_time_interleaved), so that a drift of the machine's speed during the run, which
-# separately timed rows cannot tell from a difference, affects all three alike.
-AGAINST_JAX_CASES = [(n, 0) for n in SINGLE_SIZES] + [(n, b) for b, n in BATCHES]
+# Per case and mode, the final op as installed, the final op on LAPACK, JAX and (at
+# AGAINST_JAX_COMPILED_CASES) the compiled final op are timed in alternation (_time_interleaved),
+# so that a drift of the machine's speed during the run, which separately timed rows cannot tell
+# from a difference, affects all alike. Each thread count runs in a process of its own, pinned to
+# that many cores (see run_against_jax).
+AGAINST_JAX_CASES = [(n, 0) for n in SINGLE_SIZES] + [(n, b) for b, n in BATCHES]  # (n, batch)
+AGAINST_JAX_COMPILED_CASES = [(100, 0), (256, 1024)]  # (n, batch): where compiled / eager is shown
+COMPILED_FINAL = "torch.compile(tridiagonal_solve)"  # the final op as installed, compiled
+XLA_POOL_THREAD = "tf_XLAEigen"  # the name of the threads of XLA's CPU intra-op pool
+
+
+def _cpu_cores():
+    """The cores this process may run on (its affinity), or ``None`` where the platform cannot
+    tell (``os.sched_getaffinity`` is Linux only)."""
+    if not hasattr(os, "sched_getaffinity"):
+        return None
+    return sorted(os.sched_getaffinity(0))
+
+
+def _thread_names() -> dict | None:
+    """How many threads of this process have each name (``/proc/self/task/*/comm``), or ``None``
+    where ``/proc`` does not exist. XLA's CPU intra-op pool names its threads
+    :data:`XLA_POOL_THREAD`, one per thread of the pool."""
+    try:
+        tasks = os.listdir("/proc/self/task")
+    except OSError:
+        return None
+    names = Counter()
+    for task in tasks:
+        try:
+            with open(f"/proc/self/task/{task}/comm") as f:
+                names[f.read().strip()] += 1
+        except OSError:  # the thread ended meanwhile
+            pass
+    return dict(names)
+
+
+# The child process of run_against_jax: its CPU affinity set before torch and JAX are imported
+# (they size their thread pools from it when they start), then the interleaved timings.
+_PINNED_CHILD = """
+import json, os, sys
+with open(sys.argv[1]) as f:
+    config = json.load(f)
+if config["cores"] is not None:
+    os.sched_setaffinity(0, config["cores"])
+from tridiag_tutorial import benchmarks
+rows = benchmarks._against_jax_here(**config)
+with open(sys.argv[2], "w") as f:
+    json.dump(rows, f)
+"""
+
+
+def _in_pinned_process(config: dict, log) -> list:
+    """Run :func:`_against_jax_here` with ``config`` in a new Python process (see
+    ``_PINNED_CHILD``), its output lines passed to ``log``; returns its rows."""
+    package_parent = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(
+        p for p in (package_parent, env.get("PYTHONPATH")) if p)  # this very package
+    env["PYTHONUNBUFFERED"] = "1"
+    with tempfile.TemporaryDirectory() as tmp:
+        config_path, rows_path = os.path.join(tmp, "config.json"), os.path.join(tmp, "rows.json")
+        with open(config_path, "w") as f:
+            json.dump(config, f)
+        child = subprocess.Popen([sys.executable, "-c", _PINNED_CHILD, config_path, rows_path],
+                                 stdout=subprocess.PIPE, text=True, env=env)
+        for line in child.stdout:
+            log(line.rstrip("\n"))
+        if child.wait() != 0:
+            raise RuntimeError(f"run_against_jax: the process pinned to {config['threads']} "
+                               f"core(s) failed with exit status {child.returncode} (its error "
+                               "is on stderr above)")
+        with open(rows_path) as f:
+            return json.load(f)
 
 
 def run_against_jax(cases=AGAINST_JAX_CASES, dtypes=(torch.float32, torch.float64),
-                    threads=(1, None), min_time=0.1, repeats=9, log=print):
-    """Time the final op (on LAPACK, and on the C++ kernel once loaded: ``FINAL_CPP``, which for
-    one system of ``n > kernels.COMPILED_ONE_SYSTEM_MAX_N`` runs LAPACK as well) against JAX,
-    forward and forward + backward (all four gradients; ``jax.grad`` for JAX), the three timed in
-    alternation. Returns rows with ``seconds`` and ``ratio`` = seconds / JAX's (below 1: faster
-    than JAX). Needs JAX; without a C++ tool chain the ``FINAL_CPP`` rows are left out."""
-    if _jax() is None:
+                    threads=(1, None), min_time=0.1, repeats=9,
+                    compiled_cases=AGAINST_JAX_COMPILED_CASES, log=print):
+    """Time the final op against JAX's ``jax.lax.linalg.tridiagonal_solve``, forward and forward +
+    backward (all four gradients; ``jax.grad`` of ``sum(x)`` for JAX).
+
+    Per case, dtype and mode, in alternation: the final op as installed (``FINAL``,
+    ``driver=None``), the final op on LAPACK (``FINAL_LAPACK``), at ``compiled_cases`` the final
+    op compiled (``COMPILED_FINAL``: ``torch.compile(tridiagonal_solve, **COMPILE_OPTIONS)``,
+    the backward through its compiled backward), and JAX.
+
+    Each of ``threads`` (``None``: every core this process may use) runs in a process of its own
+    whose CPU affinity is that many cores, set before torch and JAX are imported, so that XLA's
+    thread pool, LAPACK's and torch's (``torch.set_num_threads`` as well) all have exactly those
+    cores; a count above the cores available is skipped, said so. Without
+    ``os.sched_setaffinity`` (not Linux) the process is not pinned: its rows say
+    ``affinity=None``.
+
+    Returns rows with ``impl``, ``mode``, ``compiled``, ``n``, ``batch``, ``dtype``, ``threads``,
+    ``seconds``, ``ratio`` = seconds / JAX's (below 1: faster than JAX), ``vs_eager`` (compiled
+    rows: seconds / the eager ``FINAL``'s; else ``None``), and what the process saw: ``affinity``
+    (its cores), ``torch_threads`` and ``xla_threads`` (the threads of XLA's CPU pool, counted by
+    name; ``None`` where they cannot be seen). Needs JAX."""
+    if importlib.util.find_spec("jax") is None:
         raise RuntimeError("run_against_jax needs JAX: pip install jax")
-    cpp = _load_cpp_kernel(log)
+    available = _cpu_cores()
     rows = []
-    for actual in _each_thread_count(threads):
-        for dtype in dtypes:
-            dname = str(dtype).replace("torch.", "")
-            for n, batch in cases:
-                args = _problem(n, batch, dtype)
-                for mode in ("forward", "backward"):
-                    fns = {"tridiagonal_solve (final)":
-                           _torch_callable(tridiagonal_solve, args, mode, _lapack_kernel)}
-                    if cpp:
-                        fns[FINAL_CPP] = _torch_callable(tridiagonal_solve, args, mode, _cpp_kernel)
-                    fns[JAX_IMPL] = _jax_callable(args, mode)
-                    medians = _time_interleaved(fns, min_time, repeats)
-                    for impl, seconds in medians.items():
-                        rows.append(dict(impl=impl, mode=mode, n=n, batch=batch, dtype=dname,
-                                         threads=actual, seconds=seconds,
-                                         ratio=seconds / medians[JAX_IMPL]))
-                    log(f"  against JAX  {dname:8s} threads={actual} n={n:>7d} batch={batch:>6d} "
-                        f"{mode:8s} " + "  ".join(f"{impl.split(' (')[-1].rstrip(')')}: "
-                                                  f"{medians[impl] / medians[JAX_IMPL]:.2f}"
-                                                  for impl in fns if impl != JAX_IMPL))
+    counts = [wanted or (len(available) if available else os.cpu_count()) for wanted in threads]
+    for count in dict.fromkeys(counts):  # (1, None) on one core: one process
+        if available is not None and count > len(available):
+            log(f"  against JAX: no rows for {count} threads: this process may use "
+                f"{len(available)} core(s)")
+            continue
+        config = dict(cases=[list(c) for c in cases],
+                      dtypes=[str(d).replace("torch.", "") for d in dtypes],
+                      threads=count, cores=None if available is None else available[:count],
+                      min_time=min_time, repeats=repeats,
+                      compiled_cases=[list(c) for c in compiled_cases])
+        rows += _in_pinned_process(config, log)
     return rows
+
+
+def _against_jax_here(cases, dtypes, threads, cores, min_time, repeats, compiled_cases,
+                      log=print):
+    """:func:`run_against_jax`'s measurements at ``threads`` threads in this process, whose
+    affinity the caller has set to ``cores`` (a list, or ``None``) before importing torch."""
+    torch.set_num_threads(threads)
+    jax = _jax()
+    compiled_cases = {tuple(c) for c in compiled_cases}
+    # Each (dtype, rank, mode) compiles once with dynamic shapes; they share one code object's
+    # cache in Dynamo, so the default limit of 8 entries is too small here.
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
+    compiled_solve = torch.compile(tridiagonal_solve, **COMPILE_OPTIONS)
+    affinity = _cpu_cores()
+    log(f"  against JAX: a process pinned to cores {affinity}, torch threads "
+        f"{torch.get_num_threads()}, jax {jax.__version__}")
+    rows = []
+    for dname in dtypes:
+        dtype = getattr(torch, dname)
+        for n, batch in cases:
+            args = _problem(n, batch, dtype)
+            for mode in ("forward", "backward"):
+                fns = {FINAL: _torch_callable(tridiagonal_solve, args, mode),
+                       FINAL_LAPACK: _torch_callable(TORCH_IMPLS[FINAL_LAPACK], args, mode)}
+                if (n, batch) in compiled_cases:
+                    fns[COMPILED_FINAL] = _torch_callable(compiled_solve, args, mode)
+                fns[JAX_IMPL] = _jax_callable(args, mode)
+                medians = _time_interleaved(fns, min_time, repeats)
+                names = _thread_names()
+                seen = dict(affinity=affinity, torch_threads=torch.get_num_threads(),
+                            xla_threads=None if names is None else names.get(XLA_POOL_THREAD))
+                for impl, seconds in medians.items():
+                    compiled = impl == COMPILED_FINAL
+                    rows.append(dict(impl=impl, mode=mode, compiled=compiled, n=n, batch=batch,
+                                     dtype=dname, threads=threads, seconds=seconds,
+                                     ratio=seconds / medians[JAX_IMPL],
+                                     vs_eager=seconds / medians[FINAL] if compiled else None,
+                                     **seen))
+                log(f"  against JAX  {dname:8s} threads={threads} (XLA pool "
+                    f"{seen['xla_threads']}) n={n:>7d} batch={batch:>6d} {mode:8s} ours / JAX: "
+                    + "  ".join(f"{_short(impl)} {medians[impl] / medians[JAX_IMPL]:.2f}"
+                                for impl in fns if impl != JAX_IMPL))
+    return rows
+
+
+def _short(impl: str) -> str:
+    """A short label of one of the final op's rows, for the log."""
+    return {FINAL: "as installed", FINAL_LAPACK: "lapack", COMPILED_FINAL: "compiled"}.get(
+        impl, impl)
 
 
 def format_against_jax(rows) -> str:
     lines = ["Ours / JAX (interleaved medians; below 1: ours is faster). backward: our forward + "
-             "backward against jax.grad, all four gradients.",
-             f"{'dtype':8s} {'thr':>3s} {'n':>8s} {'batch':>6s} {'mode':8s} {'ours':38s} "
-             f"{'ours':>10s} {'ratio':>6s}"]
+             "backward against jax.grad, all four gradients. Each thread count in a process "
+             "pinned to that many cores.",
+             f"{'dtype':8s} {'thr':>3s} {'xla':>3s} {'n':>8s} {'batch':>6s} {'mode':8s} "
+             f"{'ours':38s} {'ours':>10s} {'ratio':>6s} {'/eager':>6s}"]
     for r in rows:
         if r["impl"] != JAX_IMPL:
-            lines.append(f"{r['dtype']:8s} {r['threads']:>3d} {r['n']:>8d} {r['batch']:>6d} "
-                         f"{r['mode']:8s} {r['impl']:38s} {r['seconds'] * 1e6:8.1f}us "
-                         f"{r['ratio']:6.2f}")
+            eager = "" if r.get("vs_eager") is None else f"{r['vs_eager']:6.2f}"
+            lines.append(f"{r['dtype']:8s} {r['threads']:>3d} {str(r.get('xla_threads')):>3s} "
+                         f"{r['n']:>8d} {r['batch']:>6d} {r['mode']:8s} {r['impl']:38s} "
+                         f"{r['seconds'] * 1e6:8.1f}us {r['ratio']:6.2f} {eager:>6s}")
+    return "\n".join(lines)
+
+
+# Route justification (issue 24): every route of the final op that is not the simplest one
+# stays only while a committed row shows that it pays, >= 1.25x over the route it replaces, in a
+# case a user meets. Float64, one thread, timed in alternation with the op as installed.
+ROUTE_CASES = [(100, 0), (1000, 0), (256, 1024)]  # (n, batch)
+ROUTE_AS_INSTALLED = "as installed"
+
+
+@contextlib.contextmanager
+def _without_direct_kernel():
+    """The final op without its fast path: ``ops._unobserved`` and ``ops._direct`` say False,
+    so every call goes through the autograd.Function and the dispatched op
+    ``tridiag_tutorial::solve_kernel`` (forward and backward); restored on leaving."""
+    from . import ops
+    saved = ops._unobserved, ops._direct
+    ops._unobserved = ops._direct = lambda *args: False
+    try:
+        yield
+    finally:
+        ops._unobserved, ops._direct = saved
+
+
+@contextlib.contextmanager
+def _with_function_apply():
+    """The final op applying its autograd.Function with plain ``_TridiagonalSolve.apply`` (which
+    binds the arguments to ``forward``'s signature with :mod:`inspect` on every call) instead of
+    ``_compat.function_apply``; restored on leaving."""
+    from . import ops
+    saved = ops._apply
+    ops._apply = lambda *args: ops._TridiagonalSolve.apply(*args)
+    try:
+        yield
+    finally:
+        ops._apply = saved
+
+
+# route -> (function, context factory or None, what the route's row tells)
+ROUTES = {
+    ROUTE_AS_INSTALLED: (tridiagonal_solve, None, "the final op, driver=None"),
+    "without the direct-kernel fast path": (
+        tridiagonal_solve, _without_direct_kernel,
+        "justifies ops._unobserved / ops._direct (the kernel called without the dispatcher)"),
+    "Function.apply instead of _compat.function_apply": (
+        tridiagonal_solve, _with_function_apply,
+        "justifies _compat.function_apply (no inspect binding per call)"),
+    "ch4 autograd.Function": (
+        tridiagonal_solve_function, None,
+        "chapter 4's Function on LAPACK: the simplest differentiable solve"),
+    "driver='lapack'": (TORCH_IMPLS[FINAL_LAPACK], None,
+                        "justifies the C++ kernel where driver=None picks it"),
+}
+CPP_ROUTES = {"driver='cpp'": (CPP_IMPLS[FINAL_CPP], None,
+                               "the C++ kernel named explicitly (driver=None's choice here)")}
+
+
+def run_routes(cases=ROUTE_CASES, threads=(1,), modes=("forward", "backward"), min_time=0.1,
+               repeats=21, log=print):
+    """Time the final op as installed against the same op with one route removed, and against
+    the simpler functions it replaces, float64, timed in alternation (:func:`_time_interleaved`;
+    a route's monkeypatch is in force only while its own calls run).
+
+    Routes (:data:`ROUTES`): ``"as installed"`` (``driver=None``); ``"without the direct-kernel
+    fast path"`` (``ops._unobserved`` and ``ops._direct`` False); ``"Function.apply instead of
+    _compat.function_apply"`` (``ops._apply`` is plain ``_TridiagonalSolve.apply``); chapter 4's
+    ``autograd.Function``; ``driver='lapack'`` and, where built, ``driver='cpp'``. ``backward``
+    is forward + the gradients of all four inputs; ``forward`` a call without gradients (where
+    ``ops._unobserved`` matters). Returns rows with ``route``, ``mode``, ``n``, ``batch``,
+    ``dtype``, ``threads``, ``seconds``, ``ratio`` = seconds / the op's as installed (above 1:
+    the route that the row removes pays) and ``tells``."""
+    routes = {**ROUTES, **(CPP_ROUTES if _cpp_or_log(log) else {})}
+    rows = []
+    for actual in _each_thread_count(threads):
+        for n, batch in cases:
+            args = _problem(n, batch, torch.float64)
+            for mode in modes:
+                fns = {route: _torch_callable(fn, args, mode)
+                       for route, (fn, _, _) in routes.items()}
+                contexts = {route: context for route, (_, context, _) in routes.items()
+                            if context is not None}
+                medians = _time_interleaved(fns, min_time, repeats, contexts)
+                for route, seconds in medians.items():
+                    rows.append(dict(route=route, mode=mode, n=n, batch=batch, dtype="float64",
+                                     threads=actual, seconds=seconds,
+                                     ratio=seconds / medians[ROUTE_AS_INSTALLED],
+                                     tells=routes[route][2]))
+                log(f"  routes  threads={actual} n={n:>5d} batch={batch:>5d} {mode:8s} "
+                    f"as installed {medians[ROUTE_AS_INSTALLED] * 1e6:9.1f} us; / it: "
+                    + "  ".join(f"{route} {medians[route] / medians[ROUTE_AS_INSTALLED]:.2f}"
+                                for route in routes if route != ROUTE_AS_INSTALLED))
+    return rows
+
+
+def format_routes(rows) -> str:
+    lines = ["Routes: time / the final op's as installed (interleaved medians; above 1: the route "
+             "the row removes pays)",
+             f"{'case':>12s} {'mode':8s} {'route':48s} {'time':>10s} {'ratio':>6s}"]
+    for r in rows:
+        case = f"{r['batch']} x {r['n']}" if r["batch"] else f"n = {r['n']}"
+        lines.append(f"{case:>12s} {r['mode']:8s} {r['route']:48s} "
+                     f"{r['seconds'] * 1e6:8.1f}us {r['ratio']:6.2f}")
     return "\n".join(lines)
 
 
@@ -783,6 +1029,10 @@ def machine_info():
         "cpu": model,
         "cores": os.cpu_count(),
         "default_threads": torch.get_num_threads(),
+        "affinity": _cpu_cores(),
+        "load_average": [round(x, 2) for x in os.getloadavg()] if hasattr(os, "getloadavg")
+        else None,  # over the last 1, 5 and 15 minutes: other work on the machine
+        "cpp_kernel": kernels.cpp_available(),
         "python": sys.version.split()[0],
         "torch": torch.__version__,
         "numpy": np.__version__,
@@ -808,27 +1058,47 @@ def format_steps_table(rows) -> str:
     return "\n".join(lines)
 
 
-def _main_experiment(opts, key, run_experiment, quick_cases, merge=None):
-    """``--compiled-only`` / ``--torch-kernels-only`` / ``--jax-only``: one experiment's rows
-    (under ``key``, with ``key_machine`` and ``key_config``), merged into an existing results file
-    (``merge``, else ``--merge``)."""
+def _thread_counts(text: str) -> tuple:
+    """``--threads``'s value as thread counts (``None`` for ``default``)."""
+    return tuple(None if t == "default" else int(t) for t in text.split(","))
+
+
+def _main_experiment(opts, key, run_experiment, quick_cases, merge=None, quick_extra=None,
+                     extra=None, threads="1,default"):
+    """``--compiled-only`` / ``--torch-kernels-only`` / ``--jax-only`` / ``--cliffs-only`` /
+    ``--routes-only``: one experiment's rows (under ``key``, with ``key_machine`` and
+    ``key_config``), merged into an existing results file (``merge``, else ``--merge``).
+    ``quick_extra`` and ``extra``: more arguments of ``run_experiment`` (``--quick`` only, and
+    always). ``threads``: the experiment's thread counts where ``--threads`` is not given."""
     report = {}
     merge = merge or opts.merge
     if merge:
         with open(merge) as f:
             report = json.load(f)
     if opts.quick:
-        config = dict(cases=quick_cases, threads=(1,), min_time=0.001, repeats=3)
+        config = dict(cases=quick_cases, threads=(1,), min_time=0.001, repeats=3,
+                      **(quick_extra or {}))
     else:
-        threads = tuple(None if t == "default" else int(t) for t in opts.threads.split(","))
-        config = dict(min_time=opts.min_time, repeats=2 * opts.repeats + 1, threads=threads)
+        config = dict(min_time=opts.min_time, repeats=2 * opts.repeats + 1,
+                      threads=_thread_counts(opts.threads or threads))
+    config.update(extra or {})
+    started = time.perf_counter()
     report[key] = run_experiment(**config)
+    config["wall_seconds"] = round(time.perf_counter() - started, 1)
     report[f"{key}_machine"] = machine_info()
     report[f"{key}_config"] = {k: str(v) for k, v in config.items()}
     with open(opts.out, "w") as f:
         json.dump(report, f, indent=1)
     print(f"\nwrote {opts.out}")
     return report
+
+
+def _against_jax_options(opts) -> dict:
+    """``_main_experiment``'s extra arguments of :func:`run_against_jax`: with ``--quick`` the
+    compiled rows at n = 100 only; none with ``--no-compile``."""
+    if opts.no_compile:
+        return dict(extra=dict(compiled_cases=()))
+    return dict(quick_extra=dict(compiled_cases=[(100, 0)]))
 
 
 def main(argv=None):
@@ -838,15 +1108,17 @@ def main(argv=None):
     parser.add_argument("--no-jax", action="store_true",
                         help="skip JAX's rows even when jax is installed")
     parser.add_argument("--no-cpp", action="store_true",
-                        help="skip the rows of the final op on the C++ kernel (which the suite "
-                             "otherwise builds, about a minute the first time)")
+                        help="skip the rows of the final op with driver='cpp' (the rows of "
+                             "driver=None run the kernel it chooses all the same)")
     parser.add_argument("--out", default="benchmark_results.json", help="JSON file to write")
     parser.add_argument("--min-time", type=float, default=0.2,
                         help="seconds per repeat: each case is timed for min-time x repeats "
                              "seconds (and the interleaved experiments in blocks of min-time)")
     parser.add_argument("--repeats", type=int, default=7, help="repeats per case")
-    parser.add_argument("--threads", default="1,default",
-                        help="comma-separated thread counts; 'default' is torch's default")
+    parser.add_argument("--threads",
+                        help="comma-separated thread counts; 'default' is torch's default "
+                             "(for --jax-only: every core this process may use); if not given, "
+                             "1,default (for --routes-only: 1)")
     parser.add_argument("--merge", help="a previous results JSON: its keys that this run does not "
                                              "write are kept, and its result rows of cases this "
                                              "run does not measure")
@@ -857,7 +1129,8 @@ def main(argv=None):
                              "file's other results and replace its time-stepping rows")
     parser.add_argument("--compiled-only", action="store_true",
                         help="run only the compiled-kernel experiment (run_compiled_kernel; it "
-                             "builds the C++ kernel); with --merge, keep the rest of the merged file")
+                             "needs the C++ kernel built at install); with --merge, keep the rest of "
+                             "the merged file")
     parser.add_argument("--jax-only", action="store_true",
                         help="run only the interleaved comparison with JAX (run_against_jax; the "
                              "full suite runs it at its end when jax is installed); with --merge, "
@@ -865,6 +1138,10 @@ def main(argv=None):
     parser.add_argument("--cliffs-only", action="store_true",
                         help="run only the cliffs experiment (run_cliffs: a clean batch against one "
                              "NaN or overflowing system, every kernel); with --merge, keep the rest")
+    parser.add_argument("--routes-only", action="store_true",
+                        help="run only the route-justification experiment (run_routes: the final op "
+                             "against itself without a fast path, with plain Function.apply, on "
+                             "LAPACK, and chapter 4's Function); with --merge, keep the rest")
     parser.add_argument("--torch-kernels-only", action="store_true",
                         help="run only the experiment on the kernels in torch ops "
                              "(run_torch_kernels); with --merge, keep the rest of the merged file")
@@ -875,8 +1152,13 @@ def main(argv=None):
         return _main_experiment(opts, "cliffs", run_cliffs, [(16, 8), (8, 64)])
     if opts.torch_kernels_only:
         return _main_experiment(opts, "torch_kernels", run_torch_kernels, [(16, 4), (100, 0)])
+    if opts.routes_only:
+        report = _main_experiment(opts, "routes", run_routes, [(100, 0), (8, 16)], threads="1")
+        print(format_routes(report["routes"]))
+        return report
     if opts.jax_only:
-        report = _main_experiment(opts, "against_jax", run_against_jax, [(8, 16), (100, 0)])
+        report = _main_experiment(opts, "against_jax", run_against_jax, [(8, 16), (100, 0)],
+                                  **_against_jax_options(opts))
         print(format_against_jax(report["against_jax"]))
         return report
     if opts.quick:
@@ -886,7 +1168,7 @@ def main(argv=None):
                                    "pure-torch kernel": [(8, 4, None)]},
                             steps=3, threads=(1,), min_time=0.001, repeats=3)
     else:
-        threads = tuple(None if t == "default" else int(t) for t in opts.threads.split(","))
+        threads = _thread_counts(opts.threads or "1,default")
         config = dict(min_time=opts.min_time, repeats=opts.repeats, threads=threads)
         steps_config = dict(min_time=opts.min_time, repeats=2 * opts.repeats + 1,
                             threads=threads)
@@ -896,6 +1178,7 @@ def main(argv=None):
         with open(opts.merge) as f:
             merged = json.load(f)
         earlier = {key: merged.get(key, []) for key in earlier}
+        earlier["results"] = [r for r in earlier["results"] if r.get("impl") not in RETIRED_IMPLS]
         kept = {k: v for k, v in merged.items()
                 if k not in earlier and k not in ("machine", "config", "targets",
                                                   "time_stepping_machine", "time_stepping_config")}
@@ -934,7 +1217,7 @@ def main(argv=None):
         compare.print()
     if not opts.no_jax and not opts.steps_only and _jax() is not None:
         report = _main_experiment(opts, "against_jax", run_against_jax, [(8, 16), (100, 0)],
-                                  merge=opts.out)
+                                  merge=opts.out, **_against_jax_options(opts))
         print(format_against_jax(report["against_jax"]))
     if report["time_stepping"]:
         print("\n" + format_steps_table(report["time_stepping"]))
