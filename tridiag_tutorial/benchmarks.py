@@ -955,7 +955,7 @@ def run_routes(cases=ROUTE_CASES, threads=(1,), modes=("forward", "backward"), m
     the simpler functions it replaces, float64, timed in alternation (:func:`_time_interleaved`;
     a route's monkeypatch is in force only while its own calls run).
 
-    Routes (:data:`ROUTES`): ``"as installed"`` (``driver=None``); ``"without the direct-kernel
+    Routes (``ROUTES``): ``"as installed"`` (``driver=None``); ``"without the direct-kernel
     fast path"`` (``ops._unobserved`` and ``ops._direct`` False); ``"Function.apply instead of
     _compat.function_apply"`` (``ops._apply`` is plain ``_TridiagonalSolve.apply``); chapter 4's
     ``autograd.Function``; ``driver='lapack'`` and, where built, ``driver='cpp'``. ``backward``

@@ -12,7 +12,7 @@ To PyTorch the op is one opaque node with a schema. What makes it a first-class 
 - ``register_vmap``: a batch rule, since the kernel handles any number of batch dimensions;
 - ``register_kernel``: one kernel per device. The function under ``@custom_op`` is the default
   kernel (torch ops, so any device); ``register_kernel("cpu")`` gives CPU tensors LAPACK. The op's
-  ``driver`` argument (``None``, or a name of :data:`tridiag_tutorial.kernels.DRIVERS`) lets a
+  ``driver`` argument (``None``, or a name of ``tridiag_tutorial.kernels.DRIVERS``) lets a
   caller pick the kernel explicitly, for instance the torch-ops kernels on a CPU: an argument, so
   that ``torch.compile`` sees it and a backward can reuse it.
 

@@ -100,7 +100,7 @@ def _check_driver(driver, allowed, device: torch.device, name: str) -> str:
 
 def resolve_driver(driver: str | None, rhs: torch.Tensor, name: str = "tridiagonal_solve") -> str:
     """The driver of a solve without factors of the validated ``(*B, n, k)`` ``rhs``: ``driver``
-    checked (a name of :data:`DRIVERS` that can run on ``rhs``'s device), or the automatic choice.
+    checked (a name of ``DRIVERS`` that can run on ``rhs``'s device), or the automatic choice.
 
     Raises:
         ValueError: an unknown driver, or ``"lapack"`` / ``"cpp"`` for tensors not on the CPU.
@@ -113,7 +113,7 @@ def resolve_driver(driver: str | None, rhs: torch.Tensor, name: str = "tridiagon
 
 
 def resolve_factor_driver(driver: str | None, device: torch.device, name: str) -> str:
-    """As :func:`resolve_driver`, for factoring and solving from factors (:data:`FACTOR_DRIVERS`)."""
+    """As :func:`resolve_driver`, for factoring and solving from factors (``FACTOR_DRIVERS``)."""
     if driver is None:
         return choose_factor_driver(device.type)
     if driver in DRIVERS and driver not in FACTOR_DRIVERS:
@@ -140,7 +140,7 @@ def factor(lower, diag, upper, driver: str):
 def solve(lower, diag, upper, rhs, lu, pivots, trans: str, driver: str):
     """Solve ``M x = rhs`` on ``driver``'s kernel. Without factors (``lu is None``), ``M`` is the
     matrix of the bands and ``trans`` is ``'N'``. With the factors of a matrix ``A`` (``driver``
-    one of :data:`FACTOR_DRIVERS`), ``M`` is ``A`` (``trans='N'``), ``A^T`` (``'T'``) or ``A^H``
+    one of ``FACTOR_DRIVERS``), ``M`` is ``A`` (``trans='N'``), ``A^T`` (``'T'``) or ``A^H``
     (``'C'``), and the bands (``M``'s) are not read."""
     if lu is None:
         if driver == "cpp":

@@ -33,7 +33,7 @@ The ops' schemas are defined in C++, in the extension built at install (``TORCH_
 that a compiled or exported graph that holds them loads in a process that has only that library
 (chapter 12); this module registers their fake kernels, the Autograd kernel, the vmap rules and
 the kernels of each device, as pytorch/extension-cpp's ``ops.py`` does. Where the extension was
-not built, this module defines the same schemas (:data:`SCHEMAS`) itself.
+not built, this module defines the same schemas (``SCHEMAS``) itself.
 
 What does not compose, and raises instead of answering wrongly (chapter 8's support table):
 

@@ -11,7 +11,7 @@ needed. Each elimination step is a handful of elementwise torch ops on all syste
 once, and the steps run one after another, so the cost is O(n) *kernel launches*: the kernel is
 fast for batches of small systems, and slow for one large system. Larger systems go to
 :mod:`tridiag_tutorial.partitioned`, which solves blocks of this kernel's systems all at once and
-needs O(log n) operations (see :func:`tridiag_tutorial.kernels.partitioned_pays`). The factors have the
+needs O(log n) operations (see :func:`tridiag_tutorial.kernels.choose_driver`). The factors have the
 layout of :func:`tridiag_tutorial.lapack.factor`: ``lu`` ``(*batch, 4, n)`` with rows
 ``dl, d, du, du2`` and ``pivots`` ``(*batch, n)``, LAPACK's 1-based ``ipiv`` of each system.
 
