@@ -296,7 +296,7 @@ def _check_op_driver(driver, lu, device, name: str) -> None:
     if not isinstance(driver, str) or driver not in allowed:
         raise ValueError(f"{name}: driver must be one of {', '.join(map(repr, allowed))}"
                          f"{'' if lu is None else ' with factors'}, got {driver!r}")
-    if driver in ("lapack", "cpp") and device.type not in ("cpu", "meta"):
+    if driver in kernels._CPU_ONLY and device.type not in ("cpu", "meta"):  # meta: fake kernels
         raise ValueError(f"{name}: driver={driver!r} runs on CPU tensors only, got {device}")
 
 
@@ -348,16 +348,20 @@ def _vmap_with_kernel(op):
     return rule
 
 
-def _lu_factor_kernel(lower, diag, upper, driver):
-    """``(lu, pivots)`` of a batch; not differentiable (the bands carry the gradients)."""
+def _check_factor_args(lower, diag, upper, driver) -> None:
+    """What the real and the fake kernel of ``lu_factor`` check."""
     validate_factor_args(lower, diag, upper, name="tridiag_tutorial::lu_factor")
     _check_op_driver(driver, True, diag.device, "tridiag_tutorial::lu_factor")
+
+
+def _lu_factor_kernel(lower, diag, upper, driver):
+    """``(lu, pivots)`` of a batch; not differentiable (the bands carry the gradients)."""
+    _check_factor_args(lower, diag, upper, driver)
     return _factor_kernel(lower, diag, upper, driver)
 
 
 def _lu_factor_fake(lower, diag, upper, driver):
-    validate_factor_args(lower, diag, upper, name="tridiag_tutorial::lu_factor")
-    _check_op_driver(driver, True, diag.device, "tridiag_tutorial::lu_factor")
+    _check_factor_args(lower, diag, upper, driver)
     batch, n = diag.shape[:-1], diag.shape[-1]
     return diag.new_empty(*batch, 4, n), diag.new_empty(*batch, n, dtype=torch.int32)
 
