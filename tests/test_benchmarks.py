@@ -414,23 +414,34 @@ def dispatched(monkeypatch):
 
 def test_route_switches_change_the_route_and_restore_it(dispatched):
     args = benchmarks._problem(8, 4, torch.float64)
-    saved = ops._direct, ops._unobserved, ops._apply
+    saved = ops._direct, ops._unobserved, ops._apply, ops._CPP
     plain = benchmarks.ROUTES[benchmarks.ROUTE_AS_INSTALLED][0]
-    no_fast_path = benchmarks.ROUTES["without the direct-kernel fast path"][1]
-    function_apply = benchmarks.ROUTES["Function.apply instead of _compat.function_apply"][1]
+    switch = {name: benchmarks.ROUTES[name][1] for name in (
+        "without direct kernel calls", "Function.apply instead of _compat.function_apply",
+        "without the C++ fast path")}
+    validated = []
+    real_validate = ops.validate
 
-    def run(mode, switch=contextlib.nullcontext):
+    def run(mode, name=None):
         dispatched.clear()
-        with switch():
+        validated.clear()
+        with (switch[name] if name else contextlib.nullcontext)():
             benchmarks._torch_callable(plain, args, mode)()
         return list(dispatched)
 
     # function_apply is Function.apply itself on torch releases whose apply is the C++ method
     applied = ["function_apply"] + ([] if _compat.PYTHON_FUNCTION_APPLY else ["Function.apply"])
-    assert run("forward") == []  # the direct kernel: no Function, no dispatcher
-    assert run("backward") == applied  # the Function, kernels called directly
-    assert run("forward", no_fast_path) == [*applied, "op"]
-    assert run("backward", no_fast_path).count("op") == 2  # forward and backward dispatched
-    assert run("backward", function_apply) == ["Function.apply"]
-    assert (ops._direct, ops._unobserved, ops._apply) == saved
-
+    ops.validate = lambda *a, **k: validated.append(1) or real_validate(*a, **k)
+    try:
+        assert run("forward") == []  # no Function, no solve_kernel ...
+        assert validated == ([] if has_cpp() else [1])  # ... and, on the C++ fast path, no validate
+        assert run("backward") == applied  # the Function, kernels called directly
+        assert run("forward", "without direct kernel calls") == [*applied, "op"]
+        assert run("backward", "without direct kernel calls").count("op") == 2  # both dispatched
+        assert run("backward", "Function.apply instead of _compat.function_apply") == [
+            "Function.apply"]
+        assert run("forward", "without the C++ fast path") == []  # the general path's shortcut
+        assert validated == [1]
+    finally:
+        ops.validate = real_validate
+    assert (ops._direct, ops._unobserved, ops._apply, ops._CPP) == saved

@@ -19,6 +19,7 @@ from tridiag_tutorial import (
     dense_solve,
     kernels,
     lapack,
+    ops,
     tridiagonal_solve,
 )
 
@@ -692,12 +693,12 @@ def bad_inputs():
     return {
         "short band": ((lower[..., :3], diag, upper, rhs), ValueError,
                        r"lower and upper must have n-1 = 4 entries",
-                       r"shapes must be lower, upper \(\*B, n-1\), diag \(\*B, n\), "
-                       r"rhs \(\*B, n, k\)"),
+                       r"shapes must be lower, upper \(\*B, n-1\), diag \(\*B, n\) and "
+                       r"rhs \(\*B, n\) or \(\*B, n, k\)"),
         "batch shapes": ((lower, diag, upper, rhs[:1]), ValueError,
                          r"the inputs must have one batch shape \(this op does not broadcast\)",
-                         r"shapes must be lower, upper \(\*B, n-1\), diag \(\*B, n\), rhs "
-                         r"\(\*B, n, k\) with one batch shape"),
+                         r"shapes must be lower, upper \(\*B, n-1\), diag \(\*B, n\) and rhs "
+                         r"\(\*B, n\) or \(\*B, n, k\), with one batch shape"),
         "mixed dtypes": ((lower.float(), diag, upper, rhs), TypeError,
                          r"all inputs must have the same dtype, got lower=torch.float32",
                          r"all inputs must have one dtype"),
@@ -706,13 +707,30 @@ def bad_inputs():
                  r"dtype must be float32, float64, complex64 or complex128"),
         "n = 0": ((lower[..., :0], diag[..., :0], upper[..., :0], rhs[..., :0, :]), ValueError,
                   r"the matrix must be at least 1 x 1", r"n must be at least 1"),
-        "vector rhs": ((lower, diag, upper, rhs[..., 0]), ValueError,
-                       r"rhs must be \(\*batch, n, k\) with n = 5",
-                       r"rhs must be \(\*B, n, k\) for diag \(\*B, n\)"),
+        "rhs of neither shape": ((lower, diag, upper, rhs[None]), ValueError,
+                                 r"rhs must be \(\*batch, n, k\) with n = 5",
+                                 r"rhs must be \(\*B, n\) or \(\*B, n, k\) for diag "
+                                 r"\(\*B, n\)"),
         "scalars": (tuple(t.reshape(-1)[0] for t in (lower, diag, upper, rhs)), ValueError,
                     r"must have at least one dimension, got a scalar",
                     r"diag must have a last dimension n"),
     }
+
+
+def test_vector_rhs_on_the_raw_ops(op):
+    """cpp_solve (what tridiagonal_solve calls for a (*B, n) rhs) takes one right-hand side per
+    system as (*B, n), its fake kernel too; solve and solve_kernel, the ops of compiled graphs,
+    take (*B, n, k) only, their real and fake kernels alike."""
+    lower, diag, upper, rhs = make_system(5, (2,), seed=100)
+    x, info = T.cpp_solve(lower, diag, upper, rhs)
+    assert x.shape == (2, 5) and int(info) == -1
+    assert_close(x, dense_solve(lower, diag, upper, rhs))
+    fake, _ = T.cpp_solve(*(t.to("meta") for t in (lower, diag, upper, rhs)))
+    assert fake.shape == (2, 5) and fake.device.type == "meta"
+    for name in ("solve", "solve_kernel"):
+        for device in ("cpu", "meta"):
+            with pytest.raises(ValueError, match=r"rhs must be \(\*batch, n, k\) with n = 5"):
+                RAW_OPS[name](*(t.to(device) for t in (lower, diag, upper, rhs)))
 
 
 @pytest.mark.parametrize("case", list(bad_inputs()))
@@ -724,6 +742,11 @@ def test_fake_kernel_checks_like_the_kernel(op, name, case):
     args, fake_error, fake_message, real_message = bad_inputs()[case]
     with pytest.raises(fake_error, match=fake_message):
         RAW_OPS[name](*(t.to("meta") for t in args))
+    if name != "cpp_solve" and args[3].ndim != args[1].ndim + 1:
+        # solve and solve_kernel check an rhs that is not (*B, n, k) as their fake kernel does
+        with pytest.raises(fake_error, match=fake_message):
+            RAW_OPS[name](*args)
+        return
     with pytest.raises(RuntimeError, match=f"tridiag_tutorial::cpp_solve: {real_message}"):
         RAW_OPS[name](*args)
 
@@ -778,3 +801,120 @@ def test_require_cpp_fails_where_the_build_should_have_worked(monkeypatch):
     monkeypatch.setattr(shutil, "which", lambda name: None)
     with pytest.raises(pytest.skip.Exception, match=r"not built at install: ImportError"):
         conftest.require_cpp()
+
+
+# ----------------------------------------------------------------------------------------------
+# driver=None on the CPU without gradients: the C++ fast path (ops._solve_on_cpp), which skips
+# the Python validation (the op checks the inputs, and on a refusal the general path validates
+# them and raises the typed error).
+# ----------------------------------------------------------------------------------------------
+@pytest.fixture
+def no_python_validation(monkeypatch):
+    """Fail the test if the general path's validation runs."""
+    require_cpp()
+    monkeypatch.setattr(ops, "validate", lambda *a, **k: pytest.fail("validated in Python"))
+
+
+@pytest.mark.parametrize("dtype", ALL_DTYPES, ids=str)
+@pytest.mark.parametrize("batch, k", [((), None), ((3,), None), ((2, 3), 2), ((), 4)], ids=str)
+def test_fast_path_solves_without_python_validation(no_python_validation, dtype, batch, k):
+    """Plain CPU tensors of one batch shape, no gradient asked for (no_grad, or inputs that do
+    not require grad): the fast path runs and gives the dense answer; the inputs are left as
+    they were and the result is a new tensor."""
+    args = make_system(9, batch, k, dtype=dtype, seed=70, requires_grad=True)
+    before = [t.detach().clone() for t in args]
+    with torch.no_grad():
+        x = tridiagonal_solve(*args)
+    assert x.shape == args[3].shape and x.is_contiguous() and not x.requires_grad
+    assert_close(x, dense_solve(*before))
+    plain = [t.detach() for t in args]
+    y = tridiagonal_solve(*plain)
+    assert torch.equal(x, y) and all(y.data_ptr() != t.data_ptr() for t in plain)
+    for t, b in zip(args, before):
+        assert torch.equal(t.detach(), b)
+
+
+def test_fast_path_takes_lazy_views(no_python_validation):
+    """A lazily conjugated complex band, a lazily negated real one (the imaginary part of a
+    conjugate view) and non-contiguous views: resolved and copied by the op, as validate's route
+    does."""
+    lower, diag, upper, rhs = make_system(7, (4,), 2, dtype=torch.complex128, seed=71)
+    conj_lower = lower.conj()
+    assert conj_lower.is_conj()
+    x = tridiagonal_solve(conj_lower, diag, upper, rhs)
+    assert_close(x, dense_solve(conj_lower.resolve_conj(), diag, upper, rhs))
+    real = [t.real.contiguous() for t in (lower, diag, upper)]
+    neg = (torch.complex(real[1], real[1] + 2) * 1j).conj().imag  # a negative view: -real[1]
+    assert neg.is_neg()
+    b = rhs.real.mT.contiguous().mT  # non-contiguous
+    x = tridiagonal_solve(real[0], neg, real[2], b)
+    assert_close(x, dense_solve(real[0], neg.resolve_neg(), real[2], b.contiguous()))
+
+
+@pytest.mark.parametrize("args, error, message", [
+    ((torch.ones(4), torch.ones(5, dtype=torch.float64), torch.ones(4), torch.ones(5)),
+     TypeError, r"all inputs must have the same dtype"),
+    ((torch.ones(3, dtype=torch.float64), torch.ones(5, dtype=torch.float64),
+      torch.ones(4, dtype=torch.float64), torch.ones(5, dtype=torch.float64)),
+     ValueError, r"lower and upper must have n-1 = 4 entries"),
+    ((torch.ones(4, dtype=torch.int64),) * 2 + (torch.ones(4, dtype=torch.int64),) * 2,
+     TypeError, r"dtype torch.int64 is not supported"),
+    ((torch.ones(4), torch.ones(5), torch.ones(4), torch.ones(6)),
+     ValueError, r"rhs must have n = 5 rows"),
+    ((torch.ones(4), torch.ones(5), torch.ones(4), torch.ones(2, 3, 5, 1)),
+     ValueError, r"rhs must have diag.ndim = 1 dimensions"),
+], ids=["dtypes", "band length", "integer", "rhs rows", "rhs ndim"])
+def test_fast_path_refusals_raise_the_typed_errors(args, error, message):
+    """Inputs the op refuses: the general path validates them and raises the error that names the
+    problem, never the op's RuntimeError."""
+    require_cpp()
+    with pytest.raises(error, match=message):
+        tridiagonal_solve(*args)
+
+
+def test_fast_path_singular_matrix_error(no_python_validation):
+    lower, diag, upper, rhs = make_system(6, (2, 3), seed=72)
+    diag[1, 2, 0], lower[1, 2, 0] = 0.0, 0.0
+    with pytest.raises(SingularMatrixError) as info:
+        tridiagonal_solve(lower, diag, upper, rhs)
+    assert (info.value.pivot, info.value.batch_index) == (0, (1, 2))
+
+
+def test_fast_path_is_skipped_where_it_does_not_apply(monkeypatch):
+    """Gradients asked for, broadcasting, a named driver, forward-mode AD, a transform, a mode, a
+    tensor subclass and one system above the C++ threshold take the general path; plain tensors
+    under inference mode take the fast path."""
+    require_cpp()
+    taken = []
+    real = ops._solve_on_cpp
+    monkeypatch.setattr(ops, "_solve_on_cpp", lambda *a: taken.append(real(*a)[0] is not None)
+                        or real(*a))
+    lower, diag, upper, rhs = make_system(6, (3,), seed=73)
+
+    def took(fn):
+        taken.clear()
+        fn()
+        return list(taken)
+
+    assert took(lambda: tridiagonal_solve(lower, diag, upper, rhs)) == [True]
+    with torch.inference_mode():
+        assert took(lambda: tridiagonal_solve(lower, diag, upper, rhs)) == [True]
+    grad_diag = diag.clone().requires_grad_()
+    assert took(lambda: tridiagonal_solve(lower, grad_diag, upper, rhs)) == [False]
+    with torch.no_grad():
+        assert took(lambda: tridiagonal_solve(lower, grad_diag, upper, rhs)) == [True]
+    assert took(lambda: tridiagonal_solve(lower[:1], diag, upper, rhs)) == [False]
+    assert took(lambda: tridiagonal_solve(lower, diag, upper, rhs, driver="cpp")) == []
+    with torch.autograd.forward_ad.dual_level():
+        dual = torch.autograd.forward_ad.make_dual(diag, torch.ones_like(diag))
+        assert took(lambda: tridiagonal_solve(lower, dual, upper, rhs)) == [False]
+    assert took(lambda: vmap(tridiagonal_solve)(lower, diag, upper, rhs)) == [False]
+    from torch.utils.flop_counter import FlopCounterMode
+    with FlopCounterMode(display=False):
+        assert took(lambda: tridiagonal_solve(lower, diag, upper, rhs)) == [False]
+
+    class Sub(torch.Tensor):
+        pass
+    assert took(lambda: tridiagonal_solve(lower, diag.as_subclass(Sub), upper, rhs)) == [False]
+    big = make_system(kernels.CPP_ONE_SYSTEM_MAX_N + 1, seed=74)
+    assert took(lambda: tridiagonal_solve(*big)) == [False]

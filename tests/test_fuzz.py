@@ -280,6 +280,46 @@ for other in kernels.DRIVERS:
     run(f"solve driver={other}", True, lambda: tridiagonal_solve(*bands, rhs, driver=other),
         lambda: dense_solve(*bands, rhs))
 
+# 5. driver=None, whose fast path on the CPU hands unvalidated tensors to the C++ op, and the C++
+# kernel's own op cpp_solve: valid inputs of every shape, dtype and stride, and every kind of bad
+# metadata
+if DRIVER == "cpp":
+    for n in (1, 2, 3, 6):
+        for batch in ((), (3,), (0,), (2, 1)):
+            for k in (None, 0, 2):
+                for dtype in (torch.float32, torch.float64, torch.complex128):
+                    args = system(n, batch, k, dtype)
+                    name = f"n={n} batch={batch} k={k} {dtype}"
+                    run(f"auto {name}", True, lambda: tridiagonal_solve(*args),
+                        lambda: dense_solve(*args))
+                    run(f"op cpp_solve {name}", True, lambda: ops.cpp_solve(*args)[0],
+                        lambda: dense_solve(*args))
+                    if k:
+                        for how in ("sliced", "transposed"):
+                            st = [strided_like(t, how) for t in args]
+                            run(f"auto {how} {name}", True, lambda: tridiagonal_solve(*st),
+                                lambda: dense_solve(*args))
+    lower, diag, upper, rhs = system(5, (2,), 2)
+    good = [lower, diag, upper, rhs]
+    variants = {"meta": meta, "float32": lambda t: t.float(), "int64": lambda t: t.long(),
+                "half": lambda t: t.half(), "short": lambda t: t[..., :-1],
+                "unbatched": lambda t: t[0], "extra dim": lambda t: t[None],
+                "scalar": lambda t: t.reshape(-1)[0], "sparse": lambda t: t.to_sparse(),
+                "undefined": lambda t: None}
+    for which in range(4):
+        for what, bad in variants.items():
+            a = list(good)
+            a[which] = bad(a[which])
+            try:  # valid for driver=None where the general path takes it (bands broadcast)
+                named = tridiagonal_solve(*a, driver="lapack")
+            except ALLOWED:
+                named = None
+            run(f"auto {what} arg {which}", named is not None, lambda: tridiagonal_solve(*a),
+                lambda: named)
+            k_one = what == "short" and which == 3  # rhs (2, 5, 1): one column, valid
+            run(f"op cpp_solve {what} arg {which}", k_one, lambda: ops.cpp_solve(*a)[0],
+                lambda: dense_solve(*a))
+
 print("RESULTS", json.dumps(results), flush=True)
 '''
 

@@ -12,6 +12,11 @@ side of these thresholds; the ``route`` tests check that the kernel named (or ch
 forward and backward. The slow compile modes run at one size per kernel. Factoring runs on
 LAPACK or the sequential kernel only (``kernels.FACTOR_DRIVERS``): the factorization tests of the
 C++ and partitioned kernels use the factor driver their solves stand beside.
+
+``driver=None`` is a column of the matrix too (``"auto"`` in the test ids): on the CPU it is its
+own route, ``ops._solve_on_cpp`` (the C++ op called without the Python validation, which it
+repeats only where the op refuses the inputs), up to n = 3000 and for batches, and the general
+path to LAPACK above.
 """
 
 import functools
@@ -42,12 +47,26 @@ SIZES = {
     "sequential": [(5, ()), (PMIN + 6, (2,))],               # n >= 64: named, not chosen
     "partitioned": [(5, ()), (PMIN, ()), (PMIN + 6, (2,))],  # n < 64: named, not chosen
 }
+# driver=None: the C++ fast path (one system, a batch); above n = 3000 one system runs the general
+# path to LAPACK, the "lapack" column's route (test_route_of_the_automatic_choice checks which).
+SIZES[None] = [(5, ()), (2, (2,)), (PMIN + 6, (3,))]
 COMPILE_SIZE = {"lapack": (5, ()), "cpp": (5, (2,)), "sequential": (5, ()),
                 "partitioned": (PMIN + 6, ())}
 # The factorization beside each solve driver: LAPACK's on the CPU kernels, the sequential
 # kernel's (the one every other device factors with) beside the partitioned kernel.
 FACTOR_DRIVER = {"lapack": "lapack", "cpp": "lapack", "sequential": "sequential",
-                 "partitioned": "sequential"}
+                 "partitioned": "sequential", None: None}
+ROUTES = [*KERNELS, None]  # the four drivers and the automatic choice
+
+
+def ran(driver, n, batch):
+    """The kernel that ``driver`` runs on CPU tensors of ``(n, batch)``."""
+    if driver is not None:
+        return driver
+    systems = 1
+    for b in batch:
+        systems *= b
+    return kernels.choose_driver("cpu", torch.float64, systems, n, kernels.cpp_available())
 
 
 @pytest.fixture(params=KERNELS)
@@ -57,11 +76,18 @@ def kernel(request):
     return request.param
 
 
+@pytest.fixture(params=ROUTES, ids=lambda k: k or "auto")
+def route(request):
+    """A driver of :data:`kernels.DRIVERS`, or ``None``."""
+    comp.needs(request.param)
+    return request.param
+
+
 def size_ids():
-    return [f"{k}-n{n}-b{len(b) and b[0]}" for k in KERNELS for n, b in SIZES[k]]
+    return [f"{k or 'auto'}-n{n}-b{len(b) and b[0]}" for k in ROUTES for n, b in SIZES[k]]
 
 
-ALL_SIZES = [(k, n, b) for k in KERNELS for n, b in SIZES[k]]
+ALL_SIZES = [(k, n, b) for k in ROUTES for n, b in SIZES[k]]
 
 
 @pytest.fixture(params=ALL_SIZES, ids=size_ids())
@@ -119,9 +145,10 @@ def test_composition_compiled(kernel, mode, name):
 def test_route(sized, monkeypatch):
     """The kernel named is the one that runs: forward and backward, forward-mode AD, and under a
     torch.func transform."""
-    name, n, batch = sized
+    driver, n, batch = sized
+    name = ran(driver, n, batch)
     spy = comp.KernelSpy(monkeypatch)
-    solve = on(name)
+    solve = on(driver)
     args = make_system(n, batch, seed=1, requires_grad=True)
     x = solve(*args)
     assert set(spy.take()) == {name}
@@ -234,9 +261,9 @@ def test_nan_stays_in_its_column_and_system(sized):
     torch.testing.assert_close(x[finite], expected[finite], rtol=1e-10, atol=1e-12)
 
 
-def test_edge_inputs(kernel):
+def test_edge_inputs(route):
     """n = 1 and 2, an empty batch, k = 0, broadcasting, non-contiguous inputs."""
-    solve = on(kernel)
+    solve = on(route)
     for n in (1, 2):
         args = make_system(n, (3,), seed=n)
         torch.testing.assert_close(solve(*args), dense_solve(*args))
@@ -309,13 +336,13 @@ def test_factoring_refuses_a_driver_that_does_not_factor(driver):
 
 
 # The probe's cases of issue 23 that each kernel must handle as LAPACK does.
-def test_nan_column_does_not_weaken_another_columns_check(kernel):
+def test_nan_column_does_not_weaken_another_columns_check(route):
     """n = 70, d[3] = 1e-20, l[2] = 0 (cond about 1e2), a NaN in column 1: column 0 as LAPACK's
     (the partitioned kernel returned a relative error of 3.9e2)."""
     lower, diag, upper, rhs = make_system(70, k=2, seed=14)
     diag[3], lower[2] = 1e-20, 0.0
     rhs[5, 1] = float("nan")
-    x = tridiagonal_solve(lower, diag, upper, rhs, driver=kernel)
+    x = tridiagonal_solve(lower, diag, upper, rhs, driver=route)
     torch.testing.assert_close(x[:, 0], lapack_reference(lower, diag, upper, rhs)[:, 0],
                                rtol=1e-10, atol=1e-12)
 
@@ -335,7 +362,7 @@ def test_nan_on_the_diagonal_above_a_zero_subdiagonal(sized):
 
 
 @pytest.mark.parametrize("row", [9, 10, 31, 32])
-def test_scaled_row_at_a_block_boundary_raises(kernel, row):
+def test_scaled_row_at_a_block_boundary_raises(route, row):
     """n = 64, row ``row + 1`` = -0.7 row ``row``: LAPACK finds an exactly zero pivot (the
     partitioned kernel answered max|x| = 1.1e15 with residual 0.44)."""
     lower, diag, upper, rhs = make_system(64, seed=16 + row)
@@ -348,4 +375,4 @@ def test_scaled_row_at_a_block_boundary_raises(kernel, row):
     else:
         pytest.skip("LAPACK does not find an exact zero pivot for this draw")
     with pytest.raises(torch.linalg.LinAlgError):
-        tridiagonal_solve(lower, diag, upper, rhs, driver=kernel)
+        tridiagonal_solve(lower, diag, upper, rhs, driver=route)

@@ -903,39 +903,51 @@ ROUTE_AS_INSTALLED = "as installed"
 
 
 @contextlib.contextmanager
-def _without_direct_kernel():
-    """The final op without its fast path: ``ops._unobserved`` and ``ops._direct`` say False,
-    so every call goes through the autograd.Function and the dispatched op
-    ``tridiag_tutorial::solve_kernel`` (forward and backward); restored on leaving."""
-    from . import ops
-    saved = ops._unobserved, ops._direct
-    ops._unobserved = ops._direct = lambda *args: False
+def _patched(module, **values):
+    """``module``'s attributes set to ``values`` while the block runs; restored on leaving."""
+    saved = {name: getattr(module, name) for name in values}
+    for name, value in values.items():
+        setattr(module, name, value)
     try:
         yield
     finally:
-        ops._unobserved, ops._direct = saved
+        for name, value in saved.items():
+            setattr(module, name, value)
 
 
-@contextlib.contextmanager
+def _without_cpp_fast_path():
+    """The final op without ``ops._solve_on_cpp``: every call validates its inputs in Python and
+    resolves the driver before it calls the C++ kernel (``ops._CPP`` False)."""
+    from . import ops
+    return _patched(ops, _CPP=False)
+
+
+def _without_direct_kernel():
+    """The final op with every kernel call dispatched: no C++ fast path, and ``ops._unobserved``
+    and ``ops._direct`` say False, so every call goes through the autograd.Function and the op
+    ``tridiag_tutorial::solve_kernel`` (forward and backward)."""
+    from . import ops
+    never = lambda *args: False  # noqa: E731
+    return _patched(ops, _CPP=False, _unobserved=never, _direct=never)
+
+
 def _with_function_apply():
     """The final op applying its autograd.Function with plain ``_TridiagonalSolve.apply`` (which
     binds the arguments to ``forward``'s signature with :mod:`inspect` on every call) instead of
-    ``_compat.function_apply``; restored on leaving."""
+    ``_compat.function_apply``."""
     from . import ops
-    saved = ops._apply
-    ops._apply = lambda *args: ops._TridiagonalSolve.apply(*args)
-    try:
-        yield
-    finally:
-        ops._apply = saved
+    return _patched(ops, _apply=lambda *args: ops._TridiagonalSolve.apply(*args))
 
 
 # route -> (function, context factory or None, what the route's row tells)
 ROUTES = {
     ROUTE_AS_INSTALLED: (tridiagonal_solve, None, "the final op, driver=None"),
-    "without the direct-kernel fast path": (
+    "without the C++ fast path": (
+        tridiagonal_solve, _without_cpp_fast_path,
+        "justifies ops._solve_on_cpp (the C++ op checks the inputs; no Python validation)"),
+    "without direct kernel calls": (
         tridiagonal_solve, _without_direct_kernel,
-        "justifies ops._unobserved / ops._direct (the kernel called without the dispatcher)"),
+        "justifies ops._unobserved / ops._direct (kernels called without the dispatcher)"),
     "Function.apply instead of _compat.function_apply": (
         tridiagonal_solve, _with_function_apply,
         "justifies _compat.function_apply (no inspect binding per call)"),
@@ -955,12 +967,10 @@ def run_routes(cases=ROUTE_CASES, threads=(1,), modes=("forward", "backward"), m
     the simpler functions it replaces, float64, timed in alternation (:func:`_time_interleaved`;
     a route's monkeypatch is in force only while its own calls run).
 
-    Routes (``ROUTES``): ``"as installed"`` (``driver=None``); ``"without the direct-kernel
-    fast path"`` (``ops._unobserved`` and ``ops._direct`` False); ``"Function.apply instead of
-    _compat.function_apply"`` (``ops._apply`` is plain ``_TridiagonalSolve.apply``); chapter 4's
-    ``autograd.Function``; ``driver='lapack'`` and, where built, ``driver='cpp'``. ``backward``
-    is forward + the gradients of all four inputs; ``forward`` a call without gradients (where
-    ``ops._unobserved`` matters). Returns rows with ``route``, ``mode``, ``n``, ``batch``,
+    Routes (``ROUTES``): ``"as installed"`` (``driver=None``); the same op with one of its
+    routes switched off (the C++ fast path, direct kernel calls, ``_compat.function_apply``); chapter 4's ``autograd.Function``; ``driver='lapack'`` and,
+    where built, ``driver='cpp'``. ``backward`` is forward + the gradients of all four inputs;
+    ``forward`` a call without gradients. Returns rows with ``route``, ``mode``, ``n``, ``batch``,
     ``dtype``, ``threads``, ``seconds``, ``ratio`` = seconds / the op's as installed (above 1:
     the route that the row removes pays) and ``tells``."""
     routes = {**ROUTES, **(CPP_ROUTES if _cpp_or_log(log) else {})}

@@ -62,14 +62,22 @@ def _missing_message() -> str:
 
 def solve(lower: torch.Tensor, diag: torch.Tensor, upper: torch.Tensor,
           rhs: torch.Tensor) -> torch.Tensor:
-    """``x = A^{-1} rhs`` on the C++ kernel, for validated CPU inputs of one batch shape and
-    ``rhs`` ``(*B, n, k)``; raises :class:`~tridiag_tutorial.SingularMatrixError` where ``?gtsv``
-    reports a zero pivot (the first such system in batch order)."""
+    """``x = A^{-1} rhs`` on the C++ kernel, for CPU inputs of one batch shape and ``rhs``
+    ``(*B, n, k)`` or ``(*B, n)``; raises :class:`~tridiag_tutorial.SingularMatrixError` where
+    ``?gtsv`` reports a zero pivot (the first such system in batch order). The op checks its
+    inputs (devices, layouts, dtypes, shapes) before it reads them and raises ``RuntimeError``
+    for any it cannot solve, so this may be called on unvalidated tensors."""
     if _C is None:
         raise RuntimeError(_missing_message())
     x, info = torch.ops.tridiag_tutorial.cpp_solve.default(lower, diag, upper, rhs)
+    _check_info(info, diag)
+    return x
+
+
+def _check_info(info: torch.Tensor, diag: torch.Tensor) -> None:
+    """Raise :class:`~tridiag_tutorial.SingularMatrixError` where the C++ kernel's ``info``
+    (``-1``, or ``system * n + pivot``) reports a zero pivot."""
     code = int(info)
     if code >= 0:
         n = diag.shape[-1]
         raise SingularMatrixError.at(code % n, code // n, diag.shape[:-1])
-    return x

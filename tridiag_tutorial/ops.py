@@ -75,6 +75,7 @@ import torch
 
 from . import _compat, compiled, kernels, rules
 from ._validation import (
+    SingularMatrixError,
     validate,
     validate_bands,
     validate_factor_args,
@@ -307,7 +308,8 @@ def _solve_kernel(lower, diag, upper, rhs, lu, pivots, trans, driver):
     graph or a direct call cannot crash it. On the C++ kernel, which checks every tensor itself
     (device, layout, dtype, shapes) before it reads one, the Python checks are skipped: they cost
     more than the solve of a small system, and a compiled graph calls this kernel on every run."""
-    if driver == "cpp" and lu is None and pivots is None and trans == "N":
+    if (driver == "cpp" and lu is None and pivots is None and trans == "N"
+            and rhs.ndim == diag.ndim + 1):  # the C++ op also takes (*B, n): these ops do not
         return compiled.solve(lower, diag, upper, rhs)
     _check_kernel_args(lower, diag, upper, rhs, lu, pivots, trans, driver)
     return _kernel(lower, diag, upper, rhs, lu, pivots, trans, driver)
@@ -329,8 +331,10 @@ def _solve_fake(lower, diag, upper, rhs, lu, pivots, trans, driver):
 
 
 def _cpp_solve_fake(lower, diag, upper, rhs):
-    """Fake kernel of the C++ kernel ``cpp_solve``: ``(x, info)``."""
-    validate_kernel_args(lower, diag, upper, rhs, None, None, "N",
+    """Fake kernel of the C++ kernel ``cpp_solve``: ``(x, info)``, with its checks (``rhs``
+    ``(*B, n)`` or ``(*B, n, k)``, one batch shape)."""
+    matrix = rhs if rhs.ndim != diag.ndim else rhs.unsqueeze(-1)
+    validate_kernel_args(lower, diag, upper, matrix, None, None, "N",
                          name="tridiag_tutorial::cpp_solve")
     return rhs.new_empty(rhs.shape), rhs.new_empty((), dtype=torch.int64)
 
@@ -475,6 +479,44 @@ def _solve(lower, diag, upper, rhs, lu, pivots, trans: str, driver: str) -> torc
     return _apply(*args, trans, driver)
 
 
+_CPP = compiled.is_available()
+
+
+def _solve_on_cpp(lower, diag, upper, rhs):
+    """:func:`tridiagonal_solve` with ``driver=None`` on the C++ kernel without the Python
+    validation, for a call that nothing but its result can observe: ``(x, None)``, or
+    ``(None, driver)`` where that does not apply and the general path runs (``driver`` the
+    automatic choice when it was made here, else ``None``).
+
+    It applies to plain CPU tensors of one batch shape (no broadcasting) when no gradient is asked
+    for, no transform, forward-AD level, mode, trace or compilation is active, and the automatic
+    choice is the C++ kernel. The C++ op checks everything that
+    :func:`~tridiag_tutorial._validation.validate` checks before it reads a tensor; where it
+    refuses the inputs, the general path validates them again and raises the typed error. At
+    n = 100 the general path costs twice the fast one (chapter 11's routes table)."""
+    if not (type(lower) is type(diag) is type(upper) is type(rhs) is torch.Tensor and diag.is_cpu):
+        return None, None
+    if (torch.compiler.is_compiling() or torch.jit.is_tracing() or _compat.forward_ad_active()
+            or _compat.transform_active() or _compat.mode_active()):
+        return None, None
+    try:
+        shape = diag.shape  # (a nested tensor has no shape: RuntimeError)
+        if not shape or lower.shape != upper.shape or lower.shape[:-1] != shape[:-1] \
+                or rhs.shape[:len(shape) - 1] != shape[:-1] or not shape[-1]:
+            return None, None  # broadcasting, or inputs the general path refuses
+        n = shape[-1]
+        driver = kernels.choose_driver("cpu", diag.dtype, diag.numel() // n, n, True)
+        if driver != "cpp" or (torch.is_grad_enabled() and (
+                lower.requires_grad or diag.requires_grad or upper.requires_grad
+                or rhs.requires_grad)):
+            return None, driver
+        return compiled.solve(lower, diag, upper, rhs), None
+    except SingularMatrixError:
+        raise
+    except RuntimeError:  # inputs the op refuses: the general path says what is wrong with them
+        return None, None
+
+
 def tridiagonal_solve(lower: torch.Tensor, diag: torch.Tensor, upper: torch.Tensor,
                       rhs: torch.Tensor, *, driver: str | None = None) -> torch.Tensor:
     r"""Solve ``A x = rhs`` for a tridiagonal ``A``, differentiably, in O(n).
@@ -533,8 +575,13 @@ def tridiagonal_solve(lower: torch.Tensor, diag: torch.Tensor, upper: torch.Tens
         >>> rhs.grad.round(decimals=6)
         tensor([0.5000, 0.0000, 0.5000])
     """
+    chosen = None
+    if driver is None and _CPP:
+        x, chosen = _solve_on_cpp(lower, diag, upper, rhs)
+        if x is not None:
+            return x
     p = validate(lower, diag, upper, rhs)
-    driver = kernels.resolve_driver(driver, p.rhs)
+    driver = chosen or kernels.resolve_driver(driver, p.rhs)
     lu = pivots = None
     if (driver == "sequential" and torch.is_grad_enabled()
             and any(t.requires_grad for t in (p.lower, p.diag, p.upper, p.rhs))):

@@ -22,8 +22,11 @@
 //
 // cpp_solve(lower, diag, upper, rhs) -> (x, info) solves A x = rhs for a batch of tridiagonal
 // matrices A with lower[..., i] = A[i+1, i] (n-1), diag[..., i] = A[i, i] (n), upper[..., i] =
-// A[i, i+1] (n-1) and rhs (*B, n, k); the caller has validated and broadcast all four to one
-// batch shape *B. x is a new C-contiguous (*B, n, k) tensor; the inputs are never modified.
+// A[i, i+1] (n-1) and rhs (*B, n, k), or (*B, n) for one right-hand side per system, all four
+// with one batch shape *B (no broadcasting). It checks every tensor (defined, strided, on the CPU,
+// one supported dtype, these shapes) before it reads one, so the Python package may call it on
+// unvalidated tensors (its fast path does) and validate only where it refuses them. x is a new
+// C-contiguous tensor of rhs's shape; the inputs are never modified.
 // info is a 0-dim int64 tensor: -1, or s * n + p where s is the first singular system (flat C
 // order over *B) and p the zero pivot ?gtsv reports there (INFO - 1). The Python caller turns it
 // into tridiag_tutorial.SingularMatrixError (a torch.linalg.LinAlgError with the pivot and the
@@ -521,9 +524,12 @@ Tensor call_unary(const char* name, const Tensor& self) {
 }
 
 // The values of t in C order: lazily conjugated or negated views resolved, then contiguous.
-Tensor dense_values(const Tensor& t) {
-  return torch::stable::contiguous(
-      call_unary("aten::resolve_neg", call_unary("aten::resolve_conj", t)));
+// Each call below goes through the dispatcher by name (about 0.2 us), more than the solve of a
+// small system, so only the ones that can change something are made: a real tensor never has
+// the conjugate bit (torch asserts it), and a contiguous one needs no copy.
+Tensor dense_values(const Tensor& t, bool complex) {
+  Tensor r = call_unary("aten::resolve_neg", complex ? call_unary("aten::resolve_conj", t) : t);
+  return r.is_contiguous() ? r : torch::stable::contiguous(r);
 }
 
 bool same_sizes(const Tensor& t, const std::vector<int64_t>& shape) {
@@ -534,84 +540,111 @@ bool same_sizes(const Tensor& t, const std::vector<int64_t>& shape) {
   return true;
 }
 
-std::tuple<Tensor, Tensor> cpp_solve(const Tensor& lower, const Tensor& diag, const Tensor& upper,
-                                     const Tensor& rhs) {
-  const char* names[] = {"lower", "diag", "upper", "rhs"};
-  const Tensor* inputs[] = {&lower, &diag, &upper, &rhs};
-  for (int a = 0; a < 4; ++a) {
-    const Tensor& t = *inputs[a];
-    STD_TORCH_CHECK(t.defined(), "tridiag_tutorial::cpp_solve: ", names[a], " is undefined");
-    STD_TORCH_CHECK(t.layout() == torch::headeronly::Layout::Strided,
-                    "tridiag_tutorial::cpp_solve: ", names[a],
+// What cpp_solve checks before it reads a tensor (Python callers may rely on it instead of their
+// own checks: the fast path of tridiagonal_solve calls the op on unvalidated tensors and, on an
+// error, validates in Python for a typed message): every tensor defined, strided, on the CPU, of
+// one supported dtype; lower, upper (*B, n-1), diag (*B, n) with n >= 1, and rhs (*B, n) (one
+// right-hand side) or (*B, n, k), all with one batch shape.
+struct Sizes {
+  int64_t n, k, nsys;
+};
+
+Sizes check_inputs(const Tensor& lower, const Tensor& diag, const Tensor& upper,
+                   const Tensor& rhs) {
+  const char* op = "tridiag_tutorial::cpp_solve";
+  const std::pair<const char*, const Tensor*> all[] = {
+      {"lower", &lower}, {"diag", &diag}, {"upper", &upper}, {"rhs", &rhs}};
+  for (const auto& [name, t] : all) {
+    STD_TORCH_CHECK(t->defined(), op, ": ", name, " is undefined");
+    STD_TORCH_CHECK(t->layout() == torch::headeronly::Layout::Strided, op, ": ", name,
                     " must be a dense (strided) tensor");
-    STD_TORCH_CHECK(t.is_cpu(), "tridiag_tutorial::cpp_solve: CPU tensors only (", names[a],
-                    " is not on the CPU)");
+    STD_TORCH_CHECK(t->is_cpu(), op, ": CPU tensors only (", name, " is not on the CPU)");
   }
-  STD_TORCH_CHECK(diag.dim() >= 1, "tridiag_tutorial::cpp_solve: diag must have a last "
-                  "dimension n");
-  STD_TORCH_CHECK(rhs.dim() == diag.dim() + 1, "tridiag_tutorial::cpp_solve: rhs must be "
-                  "(*B, n, k) for diag (*B, n); got rhs with ", rhs.dim(), " dimensions and diag "
+  STD_TORCH_CHECK(diag.dim() >= 1, op, ": diag must have a last dimension n");
+  const bool vector = rhs.dim() == diag.dim();
+  STD_TORCH_CHECK(vector || rhs.dim() == diag.dim() + 1, op, ": rhs must be (*B, n) or "
+                  "(*B, n, k) for diag (*B, n); got rhs with ", rhs.dim(), " dimensions and diag ",
                   "with ", diag.dim());
   const int64_t n = diag.size(-1);
-  const int64_t k = rhs.size(-1);
-  STD_TORCH_CHECK(n >= 1, "tridiag_tutorial::cpp_solve: n must be at least 1");
+  const int64_t k = vector ? 1 : rhs.size(-1);
+  STD_TORCH_CHECK(n >= 1, op, ": n must be at least 1");
   std::vector<int64_t> band_shape, rhs_shape;
   for (int64_t a = 0; a + 1 < diag.dim(); ++a) band_shape.push_back(diag.size(a));
   rhs_shape = band_shape;
   band_shape.push_back(n - 1);
   rhs_shape.push_back(n);
-  rhs_shape.push_back(k);
+  if (!vector) rhs_shape.push_back(k);
   STD_TORCH_CHECK(same_sizes(lower, band_shape) && same_sizes(upper, band_shape) &&
                       same_sizes(rhs, rhs_shape),
-                  "tridiag_tutorial::cpp_solve: shapes must be lower, upper (*B, n-1), diag "
-                  "(*B, n), rhs (*B, n, k) with one batch shape");
+                  op, ": shapes must be lower, upper (*B, n-1), diag (*B, n) and rhs (*B, n) or "
+                  "(*B, n, k), with one batch shape");
   const ScalarType dtype = diag.scalar_type();
   STD_TORCH_CHECK(dtype == ScalarType::Float || dtype == ScalarType::Double ||
                       dtype == ScalarType::ComplexFloat || dtype == ScalarType::ComplexDouble,
-                  "tridiag_tutorial::cpp_solve: dtype must be float32, float64, complex64 or "
-                  "complex128");
-  STD_TORCH_CHECK(lower.scalar_type() == dtype && upper.scalar_type() == dtype &&
-                      rhs.scalar_type() == dtype,
-                  "tridiag_tutorial::cpp_solve: all inputs must have one dtype");
+                  op, ": dtype must be float32, float64, complex64 or complex128");
+  for (const auto& [name, t] : all) {
+    STD_TORCH_CHECK(t->scalar_type() == dtype, op, ": all inputs must have one dtype");
+  }
+  return {n, k, diag.numel() / n};
+}
 
-  const Tensor l = dense_values(lower), d = dense_values(diag), u = dense_values(upper),
-               b = dense_values(rhs);
-  Tensor x = torch::stable::new_empty(b, rhs_shape);  // C-contiguous, rhs's dtype and device
-  Tensor info = torch::stable::new_empty(b, {}, ScalarType::Long);
-  int64_t* info_ptr = info.mutable_data_ptr<int64_t>();
-  *info_ptr = -1;
-  const int64_t nsys = diag.numel() / n;
-  if (nsys == 0) return {x, info};
+bool is_complex(ScalarType dtype) {
+  return dtype == ScalarType::ComplexFloat || dtype == ScalarType::ComplexDouble;
+}
 
-  std::atomic<int64_t> first{std::numeric_limits<int64_t>::max()};
+// x = M^{-1} b for nsys systems, dispatched on dtype. L, D, U are M's bands (contiguous).
+void solve_dtype(ScalarType dtype, const void* L, const void* D, const void* U, const void* B,
+                 void* X, int64_t nsys, int64_t n, int64_t k, std::atomic<int64_t>& first) {
   switch (dtype) {
     case ScalarType::Float:
-      solve_all<float, false>(l.const_data_ptr<float>(), d.const_data_ptr<float>(),
-                              u.const_data_ptr<float>(), b.const_data_ptr<float>(),
-                              x.mutable_data_ptr<float>(), nsys, n, k, first);
+      solve_all<float, false>(static_cast<const float*>(L), static_cast<const float*>(D),
+                              static_cast<const float*>(U), static_cast<const float*>(B),
+                              static_cast<float*>(X), nsys, n, k, first);
       break;
     case ScalarType::Double:
-      solve_all<double, false>(l.const_data_ptr<double>(), d.const_data_ptr<double>(),
-                               u.const_data_ptr<double>(), b.const_data_ptr<double>(),
-                               x.mutable_data_ptr<double>(), nsys, n, k, first);
+      solve_all<double, false>(static_cast<const double*>(L), static_cast<const double*>(D),
+                               static_cast<const double*>(U), static_cast<const double*>(B),
+                               static_cast<double*>(X), nsys, n, k, first);
       break;
     case ScalarType::ComplexFloat:  // interleaved (re, im) pairs, read as reals
-      solve_all<float, true>(static_cast<const float*>(l.const_data_ptr()),
-                             static_cast<const float*>(d.const_data_ptr()),
-                             static_cast<const float*>(u.const_data_ptr()),
-                             static_cast<const float*>(b.const_data_ptr()),
-                             static_cast<float*>(x.mutable_data_ptr()), nsys, n, k, first);
+      solve_all<float, true>(static_cast<const float*>(L), static_cast<const float*>(D),
+                             static_cast<const float*>(U), static_cast<const float*>(B),
+                             static_cast<float*>(X), nsys, n, k, first);
       break;
     default:
-      solve_all<double, true>(static_cast<const double*>(l.const_data_ptr()),
-                              static_cast<const double*>(d.const_data_ptr()),
-                              static_cast<const double*>(u.const_data_ptr()),
-                              static_cast<const double*>(b.const_data_ptr()),
-                              static_cast<double*>(x.mutable_data_ptr()), nsys, n, k, first);
+      solve_all<double, true>(static_cast<const double*>(L), static_cast<const double*>(D),
+                              static_cast<const double*>(U), static_cast<const double*>(B),
+                              static_cast<double*>(X), nsys, n, k, first);
   }
+}
+
+Tensor info_tensor(const Tensor& like, const std::atomic<int64_t>& first) {
+  Tensor info = torch::stable::new_empty(like, {}, ScalarType::Long);
   const int64_t code = first.load();
-  if (code != std::numeric_limits<int64_t>::max()) *info_ptr = code;
-  return {x, info};
+  *info.mutable_data_ptr<int64_t>() = code == std::numeric_limits<int64_t>::max() ? -1 : code;
+  return info;
+}
+
+std::vector<int64_t> sizes_of(const Tensor& t) {
+  std::vector<int64_t> shape(t.dim());
+  for (int64_t a = 0; a < t.dim(); ++a) shape[a] = t.size(a);
+  return shape;
+}
+
+std::tuple<Tensor, Tensor> cpp_solve(const Tensor& lower, const Tensor& diag, const Tensor& upper,
+                                     const Tensor& rhs) {
+  const Sizes z = check_inputs(lower, diag, upper, rhs);
+  const ScalarType dtype = diag.scalar_type();
+  const bool c = is_complex(dtype);
+  const Tensor l = dense_values(lower, c), d = dense_values(diag, c), u = dense_values(upper, c),
+               b = dense_values(rhs, c);
+  Tensor x = torch::stable::new_empty(b, sizes_of(rhs));  // C-contiguous, rhs's dtype and device
+  std::atomic<int64_t> first{std::numeric_limits<int64_t>::max()};
+  if (z.nsys > 0) {
+    solve_dtype(dtype, l.const_data_ptr(), d.const_data_ptr(), u.const_data_ptr(),
+                b.const_data_ptr(), x.mutable_data_ptr(), z.nsys, z.n, z.k, first);
+  }
+  return {x, info_tensor(b, first)};
 }
 
 // What a process without the Python package runs for solve and solve_kernel: the kernel above,
@@ -625,6 +658,9 @@ Tensor solve_without_python(const Tensor& lower, const Tensor& diag, const Tenso
                   "tridiag_tutorial::solve: a solve from LU factors needs the Python package "
                   "(import tridiag_tutorial); this library alone solves from the bands");
   STD_TORCH_CHECK(trans == "N", "tridiag_tutorial::solve: trans must be 'N' without factors");
+  STD_TORCH_CHECK(rhs.dim() == diag.dim() + 1, "tridiag_tutorial::solve: rhs must be (*B, n, k) "
+                  "for diag (*B, n); got rhs with ", rhs.dim(), " dimensions and diag ",
+                  diag.dim());
   STD_TORCH_CHECK(driver == "lapack" || driver == "cpp" || driver == "sequential" ||
                       driver == "partitioned",
                   "tridiag_tutorial::solve: unknown driver '", driver, "'");
