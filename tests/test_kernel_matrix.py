@@ -20,6 +20,7 @@ path to LAPACK above.
 """
 
 import functools
+import math
 
 import pytest
 import test_compositions as comp
@@ -63,10 +64,8 @@ def ran(driver, n, batch):
     """The kernel that ``driver`` runs on CPU tensors of ``(n, batch)``."""
     if driver is not None:
         return driver
-    systems = 1
-    for b in batch:
-        systems *= b
-    return kernels.choose_driver("cpu", torch.float64, systems, n, kernels.cpp_available())
+    return kernels.choose_driver("cpu", torch.float64, math.prod(batch), n,
+                                 kernels.cpp_available())
 
 
 @pytest.fixture(params=KERNELS)

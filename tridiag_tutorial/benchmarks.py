@@ -968,8 +968,8 @@ def run_routes(cases=ROUTE_CASES, threads=(1,), modes=("forward", "backward"), m
     a route's monkeypatch is in force only while its own calls run).
 
     Routes (``ROUTES``): ``"as installed"`` (``driver=None``); the same op with one of its
-    routes switched off (the C++ fast path, direct kernel calls, ``_compat.function_apply``); chapter 4's ``autograd.Function``; ``driver='lapack'`` and,
-    where built, ``driver='cpp'``. ``backward`` is forward + the gradients of all four inputs;
+    routes switched off (the C++ fast path, direct kernel calls, ``_compat.function_apply``);
+    chapter 4's ``autograd.Function``; ``driver='lapack'`` and, where built, ``driver='cpp'``. ``backward`` is forward + the gradients of all four inputs;
     ``forward`` a call without gradients. Returns rows with ``route``, ``mode``, ``n``, ``batch``,
     ``dtype``, ``threads``, ``seconds``, ``ratio`` = seconds / the op's as installed (above 1:
     the route that the row removes pays) and ``tells``."""

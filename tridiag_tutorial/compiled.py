@@ -70,14 +70,8 @@ def solve(lower: torch.Tensor, diag: torch.Tensor, upper: torch.Tensor,
     if _C is None:
         raise RuntimeError(_missing_message())
     x, info = torch.ops.tridiag_tutorial.cpp_solve.default(lower, diag, upper, rhs)
-    _check_info(info, diag)
-    return x
-
-
-def _check_info(info: torch.Tensor, diag: torch.Tensor) -> None:
-    """Raise :class:`~tridiag_tutorial.SingularMatrixError` where the C++ kernel's ``info``
-    (``-1``, or ``system * n + pivot``) reports a zero pivot."""
     code = int(info)
     if code >= 0:
         n = diag.shape[-1]
         raise SingularMatrixError.at(code % n, code // n, diag.shape[:-1])
+    return x
