@@ -273,6 +273,28 @@ def test_pure_torch_kernel_cases_run_no_lapack_or_cpp_forward_or_backward(monkey
             benchmarks._stepper(8, 4, torch.float64, 2, once, mode, kernel)()
 
 
+@pytest.mark.skipif(torch.get_num_threads() < 2, reason="needs two threads")
+def test_dense_batches_are_not_timed_on_several_threads(monkeypatch):
+    """oneMKL's batched getrf fails on several threads (a hang on some CPUs): such a case is a row
+    with its reason and no timing, the dense solve never called; one thread and one system run."""
+    def refuse(*args):
+        raise AssertionError("the dense solve ran on a batch with several threads")
+
+    monkeypatch.setattr(benchmarks, "TORCH_IMPLS", {"torch.linalg.solve (dense)": refuse})
+    rows = benchmarks.run(sizes=[8], batches=[(4, 8)], dtypes=(torch.float64,), threads=(1, 2),
+                          compile=False, jax=False, cpp=False, min_time=0.001, repeats=1,
+                          log=lambda *a: None)
+    skipped = [r for r in rows if r["impl"] == "torch.linalg.solve (dense)"
+               and r["batch"] and r["threads"] == 2]
+    assert {r["mode"] for r in skipped} == {"forward", "backward"}
+    assert all(r["seconds"] is None and r["error"] == benchmarks.DENSE_BATCH_THREADS
+               for r in skipped)
+    failed = {(r["batch"], r["threads"]) for r in rows
+              if r["impl"] == "torch.linalg.solve (dense)" and r["error"]
+              and r["error"] != benchmarks.DENSE_BATCH_THREADS}
+    assert failed == {(0, 1), (4, 1), (0, 2)}  # these called it (and met the refusal)
+
+
 def test_lapack_time_stepping_runs_lapack_only(monkeypatch):
     """The time-stepping rows labelled LAPACK solve on LAPACK, although driver=None would pick
     the C++ kernel for the solves from the bands."""

@@ -263,6 +263,20 @@ COMPILED = ["ch5 custom_op", FINAL]
 COMPILE_OPTIONS = dict(fullgraph=True, dynamic=True)
 
 
+# Why a case is not timed at all, recorded as its row's error (so that a --merge'd file keeps no
+# stale row of it). torch.linalg.solve on a batch with more than one thread fails inside oneMKL's
+# getrf on torch 2.13's CPU build: "Parameter 6 was incorrect on entry to SLASWP", then wrong
+# pivots (AMD EPYC: lu_solve refuses them) or a hang (Intel Xeon), in float32 and float64.
+DENSE_BATCH_THREADS = ("not run: torch.linalg.solve on a batch with more than one thread fails in "
+                       "oneMKL's getrf (SLASWP parameter 6: wrong pivots or a hang)")
+
+
+def _not_run(impl: str, batch: int, threads: int) -> str | None:
+    if impl.startswith("torch.linalg.solve") and batch and threads > 1:
+        return DENSE_BATCH_THREADS
+    return None
+
+
 def _wanted(impl: str, n: int, batch: int) -> bool:
     if impl.startswith("torch.linalg.solve"):
         return n <= DENSE_MAX_N and (batch or 1) * n * n <= 2 * 10**8
@@ -383,6 +397,12 @@ def run(sizes=SINGLE_SIZES, batches=BATCHES, dtypes=(torch.float32, torch.float6
                 impls = {**TORCH_IMPLS, **(CPP_IMPLS if cpp else {})}
                 for impl, fn in impls.items():
                     if not _wanted(impl, n, batch):
+                        continue
+                    reason = _not_run(impl, batch, actual_threads)
+                    if reason is not None:
+                        for mode in ("forward", "backward"):
+                            results.append(Result(impl, mode, False, n, batch, dname,
+                                                  actual_threads, None, error=reason))
                         continue
                     for mode in ("forward", "backward"):
                         record(impl, mode, False, _torch_callable(fn, args, mode))
