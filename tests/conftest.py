@@ -143,6 +143,21 @@ SLOW_TESTS = {
     "test_install::test_without_extension_python_defines_the_schemas",  # the same fixture
     "test_install::test_without_extension_compile_and_gradcheck",  # the same fixture
     "test_install::test_cpp_library_works_without_the_python_package",  # a child process (4 s)
+    # gloo process groups: 2 and 4 spawned ranks, each a fresh interpreter importing torch
+    "test_sharding::test_dtensor_solve_and_factorization",  # one job per world size (10-20 s)
+    "test_sharding::test_in_a_fresh_process_dtensor_calls_fail_until_the_rules_are_registered",
+    # test_distributed_solve: every test that reads the module's two spawned jobs (10-20 s each)
+    "test_distributed_solve::test_forward_within_ten_times_lapack",
+    "test_distributed_solve::test_nearly_singular_piece_within_ten_times_lapack",
+    "test_distributed_solve::test_complex_matches_lapack",
+    "test_distributed_solve::test_batch_with_broadcasting",
+    "test_distributed_solve::test_fallback_where_a_piece_is_singular",
+    "test_distributed_solve::test_singular_matrix_raises_on_every_rank",
+    "test_distributed_solve::test_non_finite_in_its_own_system",
+    "test_distributed_solve::test_bad_input_raises_on_every_rank",
+    "test_distributed_solve::test_gradients_match_dense",
+    "test_distributed_solve::test_gradcheck_of_replicated_wrapper",
+    "test_distributed_solve::test_bytes_match_the_formula",
     # builds/compiles and subprocess: AOTInductor compiles a package, a child process loads it
     "test_deploy::test_package_runs_in_a_process_with_only_the_library",
     "test_deploy::test_package_needs_the_library",
