@@ -145,7 +145,7 @@ SLOW_TESTS = {
     "test_install::test_cpp_library_works_without_the_python_package",  # a child process (4 s)
     # gloo process groups: 2 and 4 spawned ranks, each a fresh interpreter importing torch
     "test_sharding::test_dtensor_solve_and_factorization",  # one job per world size (10-20 s)
-    "test_sharding::test_in_a_fresh_process_dtensor_calls_fail_until_the_rules_are_registered",
+    "test_sharding::test_in_a_fresh_process_the_ops_fail_until_the_rules_are_registered",
     # test_distributed_solve: every test that reads the module's two spawned jobs (10-20 s each)
     "test_distributed_solve::test_forward_within_ten_times_lapack",
     "test_distributed_solve::test_nearly_singular_piece_within_ten_times_lapack",

@@ -72,6 +72,7 @@ The bands travel beside the factors, so gradients reach them through the same ru
 
 from __future__ import annotations
 
+import sys
 from typing import NamedTuple
 
 import torch
@@ -126,6 +127,26 @@ def _direct(*tensors) -> bool:
         if type(t) is not torch.Tensor or t.is_meta or _compat.is_functorch_tensor(t):
             return False
     return True
+
+
+_SHARDING_REGISTERED = False  # set once tridiag_tutorial.sharding has registered its rules
+
+
+def _register_sharding_for(tensors) -> None:
+    """Register DTensor's sharding rules for the ops (:mod:`tridiag_tutorial.sharding`) the first
+    time a DTensor reaches one, so that a caller need not know to import that module. Where
+    ``torch.distributed.tensor`` is not imported, no tensor can be a DTensor, and the package
+    does not import it: the check is a dictionary lookup. Not while compiling: import
+    :mod:`tridiag_tutorial.sharding` before compiling a function of DTensors."""
+    global _SHARDING_REGISTERED
+    if _SHARDING_REGISTERED or torch.compiler.is_compiling():
+        return
+    dtensor = sys.modules.get("torch.distributed.tensor")
+    if dtensor is not None and any(isinstance(t, dtensor.DTensor) for t in tensors):
+        from . import sharding
+
+        sharding.register()
+        _SHARDING_REGISTERED = True
 
 
 def _unobserved(args) -> bool:
@@ -208,6 +229,7 @@ class _TridiagonalSolve(torch.autograd.Function):
     def forward(lower, diag, upper, rhs, lu, pivots, trans, driver):
         if _direct(lower, diag, upper, rhs, lu, pivots):
             return _kernel(lower, diag, upper, rhs, lu, pivots, trans, driver)
+        _register_sharding_for((lower, diag, upper, rhs))  # DTensors: the rules, once
         return _kernel_op(lower, diag, upper, rhs, lu, pivots, trans, driver)  # modes, fakes
 
     @staticmethod
@@ -402,6 +424,7 @@ def _factors(lower, diag, upper, driver: str):
     bands = tuple(t.detach() for t in (lower, diag, upper))  # factors carry no derivative
     if _direct(*bands):
         return _factor_kernel(*bands, driver)
+    _register_sharding_for(bands)
     return _factor_op(*bands, driver)
 
 

@@ -219,14 +219,16 @@ DTENSOR_CASES = (
 
 
 def dtensor_worker(rank: int, world_size: int, with_rules: bool, n: int = 8) -> dict:
-    """The public op on ``DTensor`` inputs, for each case of ``DTENSOR_CASES``.
+    """``DTensor`` inputs for each case of ``DTENSOR_CASES``, with or without sharding rules.
 
     This is what tensor parallelism hands an op: every tensor a ``DTensor`` laid out on a 1-D
     device mesh of all the ranks. Each case distributes a seeded system (the same on every rank)
-    with its placements, solves it with ``tridiagonal_solve`` and backpropagates
-    ``x.square().sum()``. With ``with_rules`` the process first imports
-    :mod:`tridiag_tutorial.sharding`, which registers the sharding rules; without, DTensor does
-    not know the op and the call raises.
+    with its placements. Without ``with_rules`` the worker calls the kernel op
+    ``tridiag_tutorial::solve_kernel`` itself, as one would call a custom op of one's own, in a
+    process where nothing has registered a sharding rule for it: DTensor does not know the op and
+    the call raises. With ``with_rules`` it solves with the public ``tridiagonal_solve``, which
+    registers the package's rules (:mod:`tridiag_tutorial.sharding`) the first time a DTensor
+    reaches it, and backpropagates ``x.square().sum()``.
 
     Returns ``{case name: result}``, where a result is ``{"error": first line}``, or the output's
     placements and this rank's local shape, and the largest differences between the gathered
@@ -234,9 +236,6 @@ def dtensor_worker(rank: int, world_size: int, with_rules: bool, n: int = 8) -> 
     """
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
-
-    if with_rules:
-        import tridiag_tutorial.sharding  # noqa: F401  (importing it registers the rules)
 
     mesh = init_device_mesh("cpu", (world_size,))
     placements = {"Replicate()": Replicate(), "Shard(0)": Shard(0), "Shard(1)": Shard(1)}
@@ -248,6 +247,16 @@ def dtensor_worker(rank: int, world_size: int, with_rules: bool, n: int = 8) -> 
         spread = [distribute_tensor(t.detach(), mesh, [placements[band_placement]])
                   for t in plain[:3]]
         spread.append(distribute_tensor(plain[3].detach(), mesh, [placements[rhs_placement]]))
+        if not with_rules:  # the op itself: no rule registered in this process
+            lower, diag, upper, rhs = spread
+            matrix = rhs if k is not None else rhs.unsqueeze(-1)
+            try:
+                torch.ops.tridiag_tutorial.solve_kernel.default(lower, diag, upper, matrix, None,
+                                                                None, "N", "lapack")
+                results[name] = {"error": None}
+            except Exception as error:  # noqa: BLE001 (reported, each rank the same)
+                results[name] = {"error": first_line(error)}
+            continue
         spread = [t.requires_grad_() for t in spread]
         try:
             x = tridiagonal_solve(*spread)

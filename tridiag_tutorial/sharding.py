@@ -49,7 +49,10 @@ sum over ranks is the gradient), the same global tensor laid out lazily; ``full_
 Importing this module registers the rules (``import tridiag_tutorial.sharding``); it calls
 :func:`register`, which does nothing when called again. ``import tridiag_tutorial`` does not
 import this module, so the package does not load ``torch.distributed.tensor`` for users who never
-distribute a tensor.
+distribute a tensor; the public functions import it the first time a DTensor reaches them
+(:func:`tridiag_tutorial.ops._register_sharding_for`). A function of DTensors compiled with
+``torch.compile``, and a direct call of the ops, need ``import tridiag_tutorial.sharding``
+first.
 
 Not covered: a singular system raises :class:`~tridiag_tutorial.SingularMatrixError` on the ranks
 that hold it only (the others go on, and their next collective waits until it times out), with a
