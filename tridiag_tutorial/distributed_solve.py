@@ -174,7 +174,7 @@ class SolveRecord:
 
     @property
     def bytes_sent(self) -> int:
-        """The bytes this rank sends: an ``all_gather`` must deliver a rank's ``b`` bytes to each
+        """Bytes this rank sends. An ``all_gather`` must deliver a rank's ``b`` bytes to each
         of the ``P - 1`` others, and in the ring algorithm (gloo's and NCCL's) each rank sends
         ``(P - 1) b`` bytes in all (it forwards the others' pieces as it sends its own)."""
         return sum(b * (p - 1) for _, b, p in self.collectives)
@@ -758,7 +758,9 @@ def split_solve(lower: torch.Tensor, diag: torch.Tensor, upper: torch.Tensor, rh
     Returns:
         This rank's rows of ``x``, the shape of its (broadcast) ``rhs``.
 
-    Raises (on every rank of the group, whichever rank's inputs are at fault):
+    Every error is raised on every rank of the group, whichever rank's inputs are at fault.
+
+    Raises:
         TypeError: an input is not a dense tensor, or dtypes differ or are unsupported.
         ValueError: shapes, devices, the end couplings or the agreement across ranks are wrong.
         tridiag_tutorial.SingularMatrixError: ``A`` is singular (from LAPACK on the whole system,
