@@ -651,3 +651,34 @@ def test_communication_formula_scales():
     assert small["split_solve"] == large["split_solve"]
     assert small["split_solve"]["contributed"] > small["split_solve_no_refinement"]["contributed"]
     assert large["gather_system"]["contributed"] == 1000 * small["gather_system"]["contributed"]
+
+
+def test_gradients_of_broadcast_bands_are_summed_over_the_batch():
+    """Bands ``(1, m)`` beside a right-hand side ``(3, m)`` broadcast inside the split solve, so
+    their gradients are sums over the batch, as ``tridiagonal_solve``'s are: checked in a group of
+    one rank in this process (the split solve with P = 1 is the reduced system of one piece)."""
+    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(_free_port())
+    dist.init_process_group("gloo", rank=0, world_size=1, timeout=TIMEOUT)
+    try:
+        g = torch.Generator().manual_seed(5)
+        n = 9
+        lower, upper = (torch.randn(1, n - 1, generator=g, dtype=torch.float64) for _ in "lu")
+        diag = 4 + torch.rand(1, n, generator=g, dtype=torch.float64)
+        rhs = torch.randn(3, n, generator=g, dtype=torch.float64)
+        pieces = ds.split_bands(lower, diag, upper, rhs, 0, 1)  # expands the bands to (3, n)
+        local = [p[:1].clone().requires_grad_() for p in pieces[:3]]
+        local.append(pieces[3].clone().requires_grad_())
+        whole = [t.clone().requires_grad_() for t in (lower, diag, upper, rhs)]
+        x, expected = ds.split_solve(*local), dense_solve(*whole)
+        weights = torch.randn(x.shape, generator=g, dtype=torch.float64)
+        grads = torch.autograd.grad((x * weights).sum(), local)
+        want = torch.autograd.grad((expected * weights).sum(), whole)
+        torch.testing.assert_close(x, expected, rtol=1e-12, atol=1e-12)
+        assert [t.shape for t in grads] == [(1, n)] * 3 + [(3, n)]
+        # the local layout's lower[0] and upper[-1] are the (absent) couplings: gradient zero
+        assert grads[0][..., 0].abs().max() == 0 and grads[2][..., -1].abs().max() == 0
+        for got, ref in ((grads[0][..., 1:], want[0]), (grads[1], want[1]),
+                         (grads[2][..., :-1], want[2]), (grads[3], want[3])):
+            torch.testing.assert_close(got, ref, rtol=1e-10, atol=1e-12)
+    finally:
+        dist.destroy_process_group()
