@@ -20,7 +20,6 @@ import datetime
 import json
 import math
 import os
-import socket
 import time
 import traceback
 
@@ -32,6 +31,7 @@ import torch.multiprocessing as mp
 
 from tridiag_tutorial import SingularMatrixError, accuracy, dense_solve, lapack
 from tridiag_tutorial import distributed_solve as ds
+from tridiag_tutorial.multiprocess import free_port
 
 from conftest import make_system
 
@@ -517,12 +517,6 @@ def _worker(rank, world_size, port, folder):
         dist.destroy_process_group()
 
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module", params=WORLD_SIZES, ids=lambda p: f"{p}ranks")
 def job(request, tmp_path_factory):
     """One spawned job per world size: ``(results, crash, world_size)``, ``results`` every rank's
@@ -532,7 +526,7 @@ def job(request, tmp_path_factory):
     folder = str(tmp_path_factory.mktemp(f"split{world_size}"))
     crash = None
     try:
-        mp.spawn(_worker, args=(world_size, _free_port(), folder), nprocs=world_size, join=True)
+        mp.spawn(_worker, args=(world_size, free_port(), folder), nprocs=world_size, join=True)
     except Exception as e:  # spawn's ProcessRaisedException / ProcessExitedException
         crash = e
     results = {}
@@ -657,7 +651,7 @@ def test_gradients_of_broadcast_bands_are_summed_over_the_batch():
     """Bands ``(1, m)`` beside a right-hand side ``(3, m)`` broadcast inside the split solve, so
     their gradients are sums over the batch, as ``tridiagonal_solve``'s are: checked in a group of
     one rank in this process (the split solve with P = 1 is the reduced system of one piece)."""
-    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(_free_port())
+    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(free_port())
     dist.init_process_group("gloo", rank=0, world_size=1, timeout=TIMEOUT)
     try:
         g = torch.Generator().manual_seed(5)

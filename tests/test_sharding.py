@@ -17,7 +17,6 @@ rank asserts), so that an assertion never leaves one rank behind in a collective
 import datetime
 import json
 import os
-import socket
 import subprocess
 import sys
 import textwrap
@@ -34,6 +33,7 @@ from tridiag_tutorial import (
     tridiagonal_lu_solve,
     tridiagonal_solve,
 )
+from tridiag_tutorial.multiprocess import free_port
 
 from conftest import assert_close, make_system
 
@@ -45,16 +45,10 @@ NO_STRATEGY = "Operator tridiag_tutorial.{op}.default does not have a sharding s
 # ---------------------------------------------------------------------------------------------
 # Spawning: the workers live at module level, so that the spawned interpreters can import them.
 # ---------------------------------------------------------------------------------------------
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def spawn(worker, world: int, *args) -> None:
     """Run ``worker(rank, world, port, *args)`` on ``world`` fresh processes; a worker's exception
     is raised here (``torch.multiprocessing.ProcessRaisedException``, with its traceback)."""
-    mp.spawn(worker, args=(world, _free_port(), *args), nprocs=world, join=True)
+    mp.spawn(worker, args=(world, free_port(), *args), nprocs=world, join=True)
 
 
 def _init(rank: int, world: int, port: int) -> None:
@@ -421,7 +415,7 @@ def test_in_a_fresh_process_the_ops_fail_until_the_rules_are_registered():
     a DTensor, and solves;
     ``import tridiag_tutorial.sharding`` registers the rules of the three ops, a second
     ``register()`` changes nothing, and the public function then solves."""
-    done = subprocess.run([sys.executable, "-c", textwrap.dedent(FRESH), str(_free_port())],
+    done = subprocess.run([sys.executable, "-c", textwrap.dedent(FRESH), str(free_port())],
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stdout + done.stderr
     errors, public, ok = (json.loads(line) if line != "ok" else line

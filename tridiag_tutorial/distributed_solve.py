@@ -870,41 +870,33 @@ def communication(n: int, world_size: int, k: int = 1, dtype: torch.dtype = torc
 # --------------------------------------------------------------------------------------------
 # python -m tridiag_tutorial.distributed_solve: measure the bytes on gloo processes
 # --------------------------------------------------------------------------------------------
-def _measure_worker(rank: int, world_size: int, port: int, n: int, queue) -> None:
-    import datetime
-    import os
+def _measure_worker(rank: int, world_size: int, n: int) -> dict:
+    """One rank of :func:`main` (run by :func:`~tridiag_tutorial.multiprocess.run_on_ranks`,
+    which joins the gloo group): every route on the same seeded system, its bytes counted."""
     import time
 
-    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
-    dist.init_process_group("gloo", rank=rank, world_size=world_size,
-                            timeout=datetime.timedelta(seconds=120))
-    try:
-        g = torch.Generator().manual_seed(0)
-        lower, upper = torch.randn(n - 1, generator=g), torch.randn(n - 1, generator=g)
-        diag = 4 + torch.rand(n, generator=g)
-        rhs = torch.randn(n, generator=g)
-        pieces = [t.to(torch.float64) for t in split_bands(lower.double(), diag.double(),
-                                                            upper.double(), rhs.double(),
-                                                            rank, world_size)]
-        measured, answers = {}, {}
-        for name, solve in (("gather_solve", lambda: gather_solve(*pieces)),
-                            ("split_solve", lambda: split_solve(*pieces)),
-                            ("split_solve_no_refinement",
-                             lambda: split_solve(*pieces, refinement_steps=0))):
-            with record() as r:
-                start = time.perf_counter()
-                answers[name] = solve()
-                seconds = time.perf_counter() - start
-            difference = (answers[name] - answers["gather_solve"]).abs().max()  # vs LAPACK's
-            dist.all_reduce(difference, op=dist.ReduceOp.MAX)  # over the ranks
-            measured[name] = dict(contributed=r.bytes_contributed, sent=r.bytes_sent,
-                                  collectives=len(r.collectives), fallbacks=r.fallbacks,
-                                  seconds=round(seconds, 4),
-                                  max_difference_from_lapack=float(difference))
-        if rank == 0:
-            queue.put(measured)
-    finally:
-        dist.destroy_process_group()
+    g = torch.Generator().manual_seed(0)
+    lower, upper = torch.randn(n - 1, generator=g), torch.randn(n - 1, generator=g)
+    diag = 4 + torch.rand(n, generator=g)
+    rhs = torch.randn(n, generator=g)
+    pieces = split_bands(lower.double(), diag.double(), upper.double(), rhs.double(), rank,
+                         world_size)
+    measured, answers = {}, {}
+    for name, solve in (("gather_solve", lambda: gather_solve(*pieces)),
+                        ("split_solve", lambda: split_solve(*pieces)),
+                        ("split_solve_no_refinement",
+                         lambda: split_solve(*pieces, refinement_steps=0))):
+        with record() as r:
+            start = time.perf_counter()
+            answers[name] = solve()
+            seconds = time.perf_counter() - start
+        difference = (answers[name] - answers["gather_solve"]).abs().max()  # vs LAPACK's
+        dist.all_reduce(difference, op=dist.ReduceOp.MAX)  # over the ranks
+        measured[name] = dict(contributed=r.bytes_contributed, sent=r.bytes_sent,
+                              collectives=len(r.collectives), fallbacks=r.fallbacks,
+                              seconds=round(seconds, 4),
+                              max_difference_from_lapack=float(difference))
+    return measured
 
 
 def main(argv=None) -> list:
@@ -913,9 +905,11 @@ def main(argv=None) -> list:
     largest difference from the gathered LAPACK answer; one call each, not a benchmark)."""
     import argparse
     import json
-    import socket
 
-    import torch.multiprocessing as mp
+    # Under ``python -m`` this module is ``__main__``, which a spawned rank cannot import: the
+    # ranks run the worker of the module imported under its own name.
+    from . import multiprocess
+    from .distributed_solve import _measure_worker as worker
 
     parser = argparse.ArgumentParser(description=main.__doc__.split("\n")[0])
     parser.add_argument("--n", type=int, default=1_000_000)
@@ -923,14 +917,7 @@ def main(argv=None) -> list:
     args = parser.parse_args(argv)
     rows = []
     for world_size in args.world_sizes:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        ctx = mp.get_context("spawn")
-        queue = ctx.SimpleQueue()
-        mp.start_processes(_measure_worker, args=(world_size, port, args.n, queue),
-                           nprocs=world_size, join=True, start_method="spawn")
-        measured = queue.get()
+        measured = multiprocess.run_on_ranks(worker, world_size, args.n)[0]
         formula = communication(args.n, world_size)
         for name, m in measured.items():
             rows.append(dict(n=args.n, world_size=world_size, route=name, **m,

@@ -129,24 +129,18 @@ def _direct(*tensors) -> bool:
     return True
 
 
-_SHARDING_REGISTERED = False  # set once tridiag_tutorial.sharding has registered its rules
-
-
 def _register_sharding_for(tensors) -> None:
     """Register DTensor's sharding rules for the ops (:mod:`tridiag_tutorial.sharding`) the first
-    time a DTensor reaches one, so that a caller need not know to import that module. Where
+    time a DTensor reaches one, so that a caller need not know to import that module. Importing it
+    registers them, so they are registered exactly when it is in ``sys.modules``. Where
     ``torch.distributed.tensor`` is not imported, no tensor can be a DTensor, and the package
-    does not import it: the check is a dictionary lookup. Not while compiling: import
+    does not import it: the check is two dictionary lookups. Not while compiling: import
     :mod:`tridiag_tutorial.sharding` before compiling a function of DTensors."""
-    global _SHARDING_REGISTERED
-    if _SHARDING_REGISTERED or torch.compiler.is_compiling():
+    if torch.compiler.is_compiling() or "tridiag_tutorial.sharding" in sys.modules:
         return
     dtensor = sys.modules.get("torch.distributed.tensor")
     if dtensor is not None and any(isinstance(t, dtensor.DTensor) for t in tensors):
-        from . import sharding
-
-        sharding.register()
-        _SHARDING_REGISTERED = True
+        from . import sharding  # noqa: F401  (importing it registers the rules)
 
 
 def _unobserved(args) -> bool:
