@@ -5,13 +5,21 @@ gets. So a notebook must not hold:
 
 - an error output, except in a cell tagged ``raises-exception``;
 - a code cell that was never executed;
-- in a *checked* cell (one nbval compares: without ``# NBVAL_IGNORE_OUTPUT`` / ``# NBVAL_SKIP``),
+- an nbval marker written as a comment (``# NBVAL_...``): the reader would see it. nbval's markers
+  are cell tags (``nbval-ignore-output``, ``nbval-skip``, ``raises-exception``);
+- in a cell the reader sees (not tagged ``remove-cell`` or ``remove-output``), a printed boolean
+  (a line ``name: True`` or a bare ``True``): print the value or the first line of the message,
+  and check it out of sight (an ``assert`` in a cell tagged ``remove-cell``);
+- in a markdown cell or a visible code cell, words about the project rather than the subject
+  ("committed", "nbval", "CI");
+- in a *checked* cell (one nbval compares: not tagged ``nbval-ignore-output`` / ``nbval-skip``),
   a printed float below 1e-9 in magnitude, written in scientific notation (``6.1e-16``): such
   digits are round-off, and differ between CPU models, BLAS kernels and thread counts. Print the
   bound that was asserted instead (``error < 1e-12``: a number right after ``<`` or ``<=`` is a
   bound and passes, and so does the float64 machine epsilon). A cell whose tiny numbers are exact
   on every machine (inputs, a grid of step sizes, scalar libm results) says why in a comment
-  ``# NBVAL_DETERMINISTIC: reason``;
+  so with the tag ``deterministic-output`` and the reason in the cell's metadata key
+  ``deterministic``;
 - an ``assert`` in a cell that reads a clock (``perf_counter``, ``timeit``, ``time.time``,
   ``torch.utils.benchmark``): timing claims come from committed benchmark results, never from a
   live measurement that a loaded machine can fail;
@@ -30,7 +38,11 @@ BOUND = re.compile(r"(?:<|<=|\u2264)\s*$")
 EPSILON = {"2.2e-16", "2.22e-16", "2.220e-16", "2.2204e-16", "1.1e-16", "1.11e-16"}
 CLOCKS = re.compile(r"perf_counter|process_time|\btimeit\b|time\.time\(|torch\.utils\.benchmark|"
                     r"\bTimer\(|blocked_autorange|adaptive_autorange")
-IGNORED = ("NBVAL_IGNORE_OUTPUT", "NBVAL_SKIP")
+IGNORED = ("nbval-ignore-output", "nbval-skip")
+HIDDEN = ("remove-cell", "remove-output")
+MARKER = re.compile(r"#\s*NBVAL_")
+BOOLEAN = re.compile(r"(?::\s*(?:True|False)\s*$)|(?:^\s*(?:True|False)\s*$)", re.M)
+PROJECT_TALK = re.compile(r"\bcommitted\b|\bnbval\b|\bNBVAL|\bCI\b|\btest harness\b", re.I)
 TIMERS = re.compile(CLOCKS.pattern + r"|median_time|_times?\(")
 
 
@@ -145,26 +157,48 @@ def _text(output) -> str:
 
 
 def cell_problems(index, cell):
-    if cell["cell_type"] != "code":
-        return
     source = "".join(cell.get("source", []))
     tags = cell.get("metadata", {}).get("tags", [])
+    hidden = any(tag in tags for tag in HIDDEN)
+    if cell["cell_type"] == "markdown":
+        match = PROJECT_TALK.search(source)
+        if match:
+            yield (f"markdown cell {index} speaks of the project ({match.group(0)!r}), not the "
+                   f"subject: say what the reader sees")
+        return
+    if cell["cell_type"] != "code":
+        return
     if cell.get("execution_count") is None:
         yield f"code cell {index} was never executed"
     for output in cell.get("outputs", []):
         if output.get("output_type") == "error" and "raises-exception" not in tags:
             yield f"code cell {index} raised {output.get('ename')}: {output.get('evalue')}"
+    if MARKER.search(source):
+        yield f"code cell {index} writes an nbval marker as a comment: use the cell tag instead"
     if "inspect.getsource(torch" in source:
         yield f"code cell {index} reads torch's own source, which changes between releases"
     code = "\n".join(line for line in source.splitlines() if not line.lstrip().startswith("#"))
     if CLOCKS.search(code) and re.search(r"^\s*assert\b", code, re.M):
         yield f"code cell {index} reads a clock and asserts: no notebook may assert on a timing"
-    if any(marker in source for marker in IGNORED):
+    if not hidden:
+        match = PROJECT_TALK.search(source)
+        if match:
+            yield f"code cell {index} speaks of the project ({match.group(0)!r}) where the reader sees it"
+        for output in cell.get("outputs", []):
+            match = BOOLEAN.search(_text(output))
+            if match:
+                yield (f"code cell {index} prints a boolean ({match.group(0).strip()!r}): show the "
+                       f"value or the message, and assert out of sight (a remove-cell cell)")
+                break
+    if any(tag in tags for tag in IGNORED):
         return
     if "__version__" in source and re.search(r"print\(.*__version__", source):
         yield (f"code cell {index} prints a version number in a checked output: another "
-               f"installation (Colab, a newer torch) prints another; mark it # NBVAL_IGNORE_OUTPUT")
-    if "NBVAL_DETERMINISTIC:" in source:
+               f"installation (Colab, a newer torch) prints another; tag it nbval-ignore-output")
+    if "deterministic-output" in tags:
+        if not str(cell.get("metadata", {}).get("deterministic", "")).strip():
+            yield (f"code cell {index} is tagged deterministic-output without a reason in its "
+                   f"metadata key 'deterministic'")
         return
     for output in cell.get("outputs", []):
         text = _text(output)

@@ -28,21 +28,45 @@ def cell(source, text, **metadata):
     ("t = time.perf_counter()\nassert ratio < 1.3", ""),
     ("import inspect\ninspect.getsource(torch.autograd.Function.apply)", ""),
     ('print("torch", torch.__version__)', "torch 2.13.0+cpu\n"),
+    # what the reader sees: a harness comment, a boolean where a value belongs, talk of the project
+    ("# NBVAL_IGNORE_OUTPUT\nprint(t)", "3 ms\n"),
+    ("print('below 1e-9:', err < 1e-9)", "below 1e-9: True\n"),
+    ("err < 1e-9", "False"),
+    ("# the committed results\nprint(r)", "1.5\n"),
 ])
 def test_flags(source, text):
     assert list(check.cell_problems(0, cell(source, text)))
 
 
+def test_flags_a_deterministic_tag_without_its_reason():
+    assert list(check.cell_problems(0, cell("print(h)", "1e-16\n", tags=["deterministic-output"])))
+
+
+def test_flags_project_talk_in_markdown():
+    text = {"cell_type": "markdown", "source": "The committed results show it.", "metadata": {}}
+    assert list(check.cell_problems(0, text))
+
+
 @pytest.mark.parametrize("source, text", [
     ("print(bound)", "max |diff| < 1e-12\n"),
     ("print(eps)", "float64 machine epsilon: 2.220e-16\n"),
-    ("# NBVAL_IGNORE_OUTPUT\nprint(err)", "6.1e-16\n"),
-    ("# NBVAL_DETERMINISTIC: the grid of step sizes is an input\nprint(h)", "from 1e-16\n"),
+    ("print(bound)", "error < 1e-9 (asserted out of sight)\n"),
+    ("print(msg)", "RuntimeError: must override the setup_context staticmethod\n"),
     ("t = time.perf_counter()\n# assert nothing on it\nprint(t)", ""),
     ("print(x)", "relative change 2.5e-3\n"),
 ])
 def test_passes(source, text):
     assert not list(check.cell_problems(0, cell(source, text)))
+
+
+@pytest.mark.parametrize("source, text, metadata", [
+    ("print(err)", "6.1e-16\n", {"tags": ["nbval-ignore-output"]}),
+    ("print(h)", "from 1e-16\n", {"tags": ["deterministic-output"],
+                                   "deterministic": "the grid of step sizes is an input"}),
+    ("assert err < 1e-9\nprint(err < 1e-9)", "True\n", {"tags": ["remove-cell"]}),
+])
+def test_passes_tagged(source, text, metadata):
+    assert not list(check.cell_problems(0, cell(source, text, **metadata)))
 
 
 def code(source):
