@@ -125,7 +125,8 @@ def test_toc_structure():
     assert TOC["root"] == "book/intro"
     parts = {part["caption"]: [e["file"] for e in part["chapters"]] for part in TOC["parts"]}
     assert parts["Getting started"] == ["book/setup"]
-    assert parts["Reference"] == ["book/notation", "book/api", "book/bibliography"]
+    assert parts["Reference"] == ["book/notation", "book/api", "book/bibliography",
+                                  "book/contributing"]
 
 
 def committed_notebooks() -> list[Path]:
