@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Run every chapter notebook the way a Colab reader meets it, under strict nbval:
 #   - the package comes from a wheel built from this checkout, installed into a fresh virtual
-#     environment that holds only the package and what it and the notebooks need (pinned);
+#     environment that holds only the package and what it and the notebooks need (pinned; JAX for
+#     chapter 3's side-by-side cells, which the package itself never imports);
 #   - the notebooks run from a copy outside the repository, so no repository file is on sys.path.
 # Extra arguments go to pytest (e.g. a notebook name: .ci/nbval_from_wheel.sh 03_adjoint.ipynb).
 set -euo pipefail
@@ -14,7 +15,7 @@ trap 'rm -rf "$work"' EXIT
 python3 -m venv "$work/venv"
 py="$work/venv/bin/python"
 "$py" -m pip install --quiet --constraint "$repo/requirements-pinned.txt" \
-    torch numpy scipy matplotlib matplotlib-inline ipykernel nbval pytest
+    torch numpy scipy matplotlib matplotlib-inline ipykernel nbval pytest jax jaxlib
 "$py" -m pip install --quiet --no-deps "$work"/dist/*.whl
 
 cp -r "$repo/notebooks" "$work/notebooks"
