@@ -15,7 +15,8 @@ a rank-1 2 x 2 block) are counted apart: how many raise
 ``python -m tridiag_tutorial.accuracy --out notebooks/data/accuracy_results.json`` measures the
 kernel as it is (``after``) and the kernel before refinement was added (``before``: ``git show
 BEFORE:tridiag_tutorial/partitioned.py``, where git and that commit are there) and writes
-both with the machine's description; ``--quick`` runs a small sample. Chapter 8 renders the table.
+both with the machine's description; ``--quick`` runs a small sample. Chapter 15 renders the
+table.
 """
 
 from __future__ import annotations

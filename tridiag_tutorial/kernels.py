@@ -64,10 +64,11 @@ def choose_driver(device_type: str, dtype: torch.dtype, batch: int, n: int, cpp:
       n <= 3000 (the fixed cost of the call dominates); on one larger system within a few percent
       of LAPACK in double precision and about 10% slower in float32, so that stays on LAPACK.
     - **Every other device**: the partitioned kernel for ``n >= PARTITIONED_MIN_N``, the
-      sequential one below. The sequential kernel dispatches about 37 operations per row, the
-      partitioned one a number that grows like ``log n`` (1,989 at n = 1000, 3,472 at n = 1e6,
-      its refinement included), and on a GPU every operation is a kernel launch of several
-      microseconds. That part is a judgement from the operation counts, not a GPU measurement.
+      sequential one below. The sequential kernel dispatches about 37 operations per row, of which 7 are
+      views (no kernel) and about 30 compute, each a kernel launch of several microseconds on a
+      GPU; the partitioned one a number that grows like ``log n`` (about 1,300 that compute at
+      n = 1000 and 2,100 at n = 1e6, its refinement included). That part is a judgement from the
+      operation counts, not a GPU measurement.
     """
     if device_type == "cpu":
         # n first: for small systems the batch size is not looked at, so a traced or exported
