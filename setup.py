@@ -57,7 +57,7 @@ def _extension():
     class Build(_OptionalBuild, BuildExtension):
         pass
 
-    # py_limited_api=True: torch's CppExtension then defines Py_LIMITED_API itself (CPython 3.10's
+    # py_limited_api=True: torch's BuildExtension then adds -DPy_LIMITED_API itself (CPython 3.10's
     # limited API on torch 2.13), so the module is an abi3 one; the wheel is tagged for the
     # package's oldest Python.
     ext = CppExtension(

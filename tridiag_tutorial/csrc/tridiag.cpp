@@ -82,8 +82,8 @@
 
 extern "C" {
 // An empty module tridiag_tutorial._C: importing it loads this library, whose static
-// initialisers register the ops below (pytorch/extension-cpp's way). Py_LIMITED_API: one build
-// serves every CPython from 3.9 on.
+// initialisers register the ops below (pytorch/extension-cpp's way). Py_LIMITED_API (CPython 3.10's
+// limited API, set by torch's BuildExtension): one build serves every CPython from 3.10 on.
 PyMODINIT_FUNC PyInit__C(void) {
   static struct PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "_C", nullptr, -1, nullptr};
   return PyModule_Create(&module_def);
