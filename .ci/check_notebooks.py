@@ -41,7 +41,7 @@ CLOCKS = re.compile(r"perf_counter|process_time|\btimeit\b|time\.time\(|torch\.u
 IGNORED = ("nbval-ignore-output", "nbval-skip")
 HIDDEN = ("remove-cell", "remove-output")
 MARKER = re.compile(r"#\s*NBVAL_")
-BOOLEAN = re.compile(r"(?::\s*(?:True|False)\s*$)|(?:^\s*(?:True|False)\s*$)", re.M)
+BOOLEAN = re.compile(r"(?::\s*(?:True|False)\b)|(?:^\s*(?:True|False)\s*$)", re.M)
 PROJECT_TALK = re.compile(r"\bcommitted\b|\bnbval\b|\bNBVAL|\bCI\b|\btest harness\b", re.I)
 TIMERS = re.compile(CLOCKS.pattern + r"|median_time|_times?\(")
 

@@ -33,6 +33,7 @@ def cell(source, text, **metadata):
     ("# NBVAL_IGNORE_OUTPUT\nprint(t)", "3 ms\n"),
     ("print('below 1e-9:', err < 1e-9)", "below 1e-9: True\n"),
     ("err < 1e-9", "False"),
+    ("print(report)", "positive definite: True | smallest eigenvalue 1.09\n"),
     ("# the committed results\nprint(r)", "1.5\n"),
 ])
 def test_flags(source, text):
