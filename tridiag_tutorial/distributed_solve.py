@@ -65,7 +65,7 @@ raises nothing else for a valid input. :func:`record` counts the fallbacks (and 
 
 Measured on 2 and 4 gloo processes (the five families of :mod:`tridiag_tutorial.accuracy` and a
 piece's block made nearly singular, float32 and float64, n = 64, 1000 and 20000, equal and unequal
-pieces, 672 systems; a one-off sweep, not committed): the forward error was at most LAPACK's on
+pieces, 672 systems; a one-off sweep whose results the package does not store): the forward error was at most LAPACK's on
 every system where LAPACK's is below 1e-2 (largest ratio 1.0; the median per family, size and
 dtype 0.0003 to 0.6, and 1 where most systems fell back to LAPACK itself). Fallbacks: none for the random, dominant and ``nearly_singular_block`` families
 (whose nearly singular block is ``partitioned``'s, not a piece), 10 of 16 badly scaled systems of
