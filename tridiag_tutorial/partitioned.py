@@ -48,7 +48,7 @@ pivot made of round-off where LAPACK finds an exact zero. So the kernel
 If any check fails, the whole call is solved again by the sequential pivoting kernel, which
 makes LAPACK's pivot decisions: it returns LAPACK's answer or raises
 :class:`torch.linalg.LinAlgError` where LAPACK does. The check reads one boolean back from the
-device. Measured (``python -m tridiag_tutorial.accuracy``, the committed
+device. Measured (``python -m tridiag_tutorial.accuracy``, the stored
 ``notebooks/data/accuracy_results.json``: five families of systems, float32 and float64, n = 64,
 1000 and 1e5), the forward error was at most LAPACK's on every system where LAPACK's is below
 1e-2 (the median ratio per family and dtype 0.06 to 1, the largest 1; the kernel before this
