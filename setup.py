@@ -4,8 +4,9 @@ limited API (one wheel for every CPython the package supports) and PyTorch's sta
 2.13 and later releases).
 
 The metadata is in pyproject.toml. Build with torch already installed and without build
-isolation (``pip install --no-build-isolation .``): an isolated build would download another
-torch to build against. Where the extension cannot be built (no torch at build time, no C++
+isolation (``pip install --no-build-isolation .``): an isolated build environment holds only
+setuptools (pyproject.toml asks for no torch), so it would find no torch and install the package
+without its extension. Where the extension cannot be built (no torch at build time, no C++
 compiler, a compile error), the install goes on without it: the package then runs every CPU solve
 on LAPACK through SciPy, and ``tridiag_tutorial.cpp_available()`` is False.
 """
@@ -64,6 +65,7 @@ def _extension():
         NAME, SOURCES, py_limited_api=True,
         extra_compile_args={"cxx": [
             "-O3",  # no -march=native: the wheel must run on any x86-64 (or aarch64) CPU
+            "-ffp-contract=off",  # no fused multiply-adds (aarch64 compilers fuse by default)
             # Only the stable ABI of torch 2.13 (the package's floor): [major][minor][patch][tag].
             "-DTORCH_TARGET_VERSION=0x020d000000000000",
         ]})
