@@ -17,9 +17,8 @@ gets. So a notebook must not hold:
   digits are round-off, and differ between CPU models, BLAS kernels and thread counts. Print the
   bound that was asserted instead (``error < 1e-12``: a number right after ``<`` or ``<=`` is a
   bound and passes, and so does the float64 machine epsilon). A cell whose tiny numbers are exact
-  on every machine (inputs, a grid of step sizes, scalar libm results) says why in a comment
-  so with the tag ``deterministic-output`` and the reason in the cell's metadata key
-  ``deterministic``;
+  on every machine (inputs, a grid of step sizes, scalar libm results) says so with
+  the tag ``deterministic-output``, and why in the cell's metadata key ``deterministic``;
 - an ``assert`` in a cell that reads a clock (``perf_counter``, ``timeit``, ``time.time``,
   ``torch.utils.benchmark``): timing claims come from committed benchmark results, never from a
   live measurement that a loaded machine can fail;
