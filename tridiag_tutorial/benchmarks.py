@@ -6,9 +6,9 @@ Run::
     python -m tridiag_tutorial.benchmarks --quick          # tiny sizes: a smoke test
     python -m tridiag_tutorial.benchmarks --out results.json
 
-With ``--min-time 0.1 --repeats 4``, the settings of the results the book renders, the main rows and the
-comparison with JAX took about 17 minutes on a 2-core machine (10 and 7; the time-stepping
-experiment comes on top); the defaults (``--min-time 0.2 --repeats 7``) give each case 3.5 times
+With ``--min-time 0.1 --repeats 4``, the settings of the results the book renders, the main
+rows and the comparison with JAX took about 17 minutes on a 2-core machine (10 and 7; the
+time-stepping experiment comes on top); the defaults (``--min-time 0.2 --repeats 7``) give each case 3.5 times
 that timing budget. The book's comparison with JAX (``--jax-only --min-time 0.1 --repeats 7``,
 compiled rows included) took 12 minutes, the routes (``--routes-only --min-time 0.1
 --repeats 10``) 2.5 minutes.
