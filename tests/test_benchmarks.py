@@ -15,7 +15,7 @@ from tridiag_tutorial import _compat, benchmarks, compiled, kernels, lapack, ops
 from conftest import require_cpp
 
 ONLY_SWITCHES = ["--steps-only", "--compiled-only", "--jax-only", "--cliffs-only",
-                 "--routes-only", "--torch-kernels-only"]
+                 "--routes-only", "--torch-kernels-only", "--one-system-only"]
 
 
 @pytest.fixture(scope="module")
@@ -328,6 +328,40 @@ def test_quick_compiled_kernel_experiment(tmp_path):
         assert r["seconds"] > 0
         if r["impl"] == "dgtsv (raw LAPACK)":
             assert r["ratio"] == 1.0
+
+
+def test_quick_one_system_experiment(tmp_path):
+    """--one-system-only times one large system: raw ?gtsv, the memory floor, the final op, the
+    C++ kernel's speculative solve (where built) and JAX (where installed), forward and forward +
+    backward, each ratio against a baseline timed in the same alternation."""
+    saved = run_merged_experiment(tmp_path, "--one-system-only")
+    assert saved["one_system_machine"]
+    rows = saved["one_system"]
+    impls = {r["impl"] for r in rows}
+    assert {benchmarks.RAW_GTSV, benchmarks.FLOOR, benchmarks.FINAL} <= impls
+    assert (benchmarks.SPECULATIVE in impls) == compiled.is_available()
+    assert {r["mode"] for r in rows} == {"forward", "backward"}
+    for r in rows:
+        assert r["seconds"] > 0 and r["floor_ns_per_unknown"] > 0
+        assert r["ns_per_unknown"] == pytest.approx(r["seconds"] / r["n"] * 1e9)
+        if r["impl"] == benchmarks.RAW_GTSV:
+            assert r["vs_gtsv"] == 1.0
+        if r["mode"] == "backward":
+            assert r["vs_gtsv"] is None
+            assert r["impl"] not in (benchmarks.RAW_GTSV, benchmarks.FLOOR)
+
+
+def test_speculative_rows_compute_the_gradients_of_the_final_op():
+    """The speculative f+b row computes what the final op's backward computes: the gradients of
+    all four inputs for a cotangent of ones."""
+    require_cpp()
+    args = benchmarks._problem(1500, 0, torch.float64)
+    grads = benchmarks._speculative_callable(args, "backward")()
+    leaves = [a.clone().requires_grad_() for a in args]
+    expected = torch.autograd.grad(tridiagonal_solve(*leaves), leaves,
+                                   torch.ones(1500, dtype=torch.float64))
+    for got, want in zip(grads, expected):
+        torch.testing.assert_close(got.reshape(want.shape), want)
 
 
 def test_pure_torch_kernel_cases_time_the_sequential_kernel(monkeypatch):

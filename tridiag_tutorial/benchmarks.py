@@ -81,14 +81,14 @@ from scipy.linalg import get_lapack_funcs
 from torch.utils import benchmark
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from . import kernels
+from . import compiled, kernels, rules
 from .autograd_function import tridiagonal_solve_function
 from .custom_op import tridiagonal_solve_custom_op
 from .ops import tridiagonal_lu_factor, tridiagonal_lu_solve, tridiagonal_solve
 from .reference import dense_solve
 
 __all__ = ["run", "run_time_stepping", "run_compiled_kernel", "run_torch_kernels",
-           "run_against_jax", "run_routes", "run_cliffs", "CountOperations", "evaluate_targets",
+           "run_against_jax", "run_one_system", "run_routes", "run_cliffs", "CountOperations", "evaluate_targets",
            "main"]
 
 SINGLE_SIZES = [10**2, 10**3, 10**4, 10**5, 10**6]
@@ -779,15 +779,16 @@ with open(sys.argv[1]) as f:
 if config["cores"] is not None:
     os.sched_setaffinity(0, config["cores"])
 from tridiag_tutorial import benchmarks
-rows = benchmarks._against_jax_here(**config)
+rows = getattr(benchmarks, config.pop("entry", "_against_jax_here"))(**config)
 with open(sys.argv[2], "w") as f:
     json.dump(rows, f)
 """
 
 
 def _in_pinned_process(config: dict, log) -> list:
-    """Run :func:`_against_jax_here` with ``config`` in a new Python process (see
-    ``_PINNED_CHILD``), its output lines passed to ``log``; returns its rows."""
+    """Run :func:`_against_jax_here` (or the function of this module named by ``config["entry"]``)
+    with ``config`` in a new Python process (see ``_PINNED_CHILD``), its output lines passed to
+    ``log``; returns its rows."""
     package_parent = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(
@@ -894,9 +895,124 @@ def _against_jax_here(cases, dtypes, threads, cores, min_time, repeats, compiled
     return rows
 
 
+ONE_SYSTEM_CASES = (10**4, 10**5, 10**6)  # n
+RAW_GTSV = "raw ?gtsv (SciPy)"
+FLOOR = "memory floor (a copy of the same bytes)"
+SPECULATIVE = "C++ speculative kernel (compiled.solve_ex)"
+
+
+def _speculative_callable(args, mode):
+    """The C++ kernel's speculative solve (:func:`tridiag_tutorial.compiled.solve_ex`), which the
+    automatic choice does not use yet: forward, or forward + the four gradients as the final op
+    computes them (one more solve, with ``A^T``, and :func:`rules.band_gradients`)."""
+    lower, diag, upper, rhs = (a.unsqueeze(-1) if a is args[3] else a for a in args)
+    if mode == "forward":
+        return lambda: compiled.solve_ex(lower, diag, upper, rhs)
+    ones = torch.ones_like(rhs)
+
+    def forward_backward():
+        x, _ = compiled.solve_ex(lower, diag, upper, rhs)
+        v, _ = compiled.solve_ex(upper, diag, lower, ones)
+        return (*rules.band_gradients(v, x), v)
+
+    return forward_backward
+
+
+def _floor_callable(args):
+    """The memory-traffic floor of a solve: one streaming copy of the bytes a solver must read
+    (the four bands) into a buffer of their size, both made before the timed call."""
+    source = np.concatenate([a.numpy().ravel() for a in args])
+    target = np.empty_like(source)
+    return lambda: np.copyto(target, source)
+
+
+def run_one_system(cases=ONE_SYSTEM_CASES, dtypes=(torch.float32, torch.float64), threads=(1, 2),
+                   min_time=0.1, repeats=9, log=print):
+    """One large system of each size ``n`` in ``cases``, timed in alternation
+    (:func:`_time_interleaved`) in a process pinned to each thread count (as
+    :func:`run_against_jax`): raw ``?gtsv`` through SciPy (forward only), the memory floor
+    (:func:`_floor_callable`, forward only), the final op as installed (``FINAL``), the final op
+    on LAPACK, the C++ kernel's speculative solve (:func:`_speculative_callable`), and JAX's
+    ``tridiagonal_solve`` where JAX is installed (forward and ``jax.grad``).
+
+    Returns rows with ``impl``, ``mode`` (``forward``; ``backward`` = forward + all four
+    gradients), ``n``, ``dtype``, ``threads``, ``seconds``, ``ns_per_unknown``, ``vs_gtsv``
+    (seconds / raw ``?gtsv``'s, timed in the same alternation; forward rows only, else
+    ``None``), ``vs_jax`` (seconds / JAX's in the same mode, or ``None``),
+    ``floor_ns_per_unknown`` and what the process saw (``affinity``, ``torch_threads``). A thread
+    count above the cores available is skipped, said so."""
+    available = _cpu_cores()
+    rows = []
+    for count in dict.fromkeys(threads):
+        if available is not None and count > len(available):
+            log(f"  one system: no rows for {count} threads: this process may use "
+                f"{len(available)} core(s)")
+            continue
+        config = dict(entry="_one_system_here", cases=list(cases),
+                      dtypes=[str(d).replace("torch.", "") for d in dtypes], threads=count,
+                      cores=None if available is None else available[:count],
+                      min_time=min_time, repeats=repeats)
+        rows += _in_pinned_process(config, log)
+    return rows
+
+
+def _one_system_here(cases, dtypes, threads, cores, min_time, repeats, log=print):
+    """:func:`run_one_system`'s measurements at ``threads`` threads in this process, whose
+    affinity the caller has set to ``cores`` before importing torch."""
+    torch.set_num_threads(threads)
+    has_jax = _jax() is not None
+    rows = []
+    for dname in dtypes:
+        dtype = getattr(torch, dname)
+        for n in cases:
+            args = _problem(n, 0, dtype)
+            medians = {}
+            for mode in ("forward", "backward"):
+                fns = {}
+                if mode == "forward":
+                    fns[RAW_GTSV] = _raw_gtsv(args)
+                    fns[FLOOR] = _floor_callable(args)
+                fns[FINAL] = _torch_callable(tridiagonal_solve, args, mode)
+                fns[FINAL_LAPACK] = _torch_callable(TORCH_IMPLS[FINAL_LAPACK], args, mode)
+                if compiled.is_available() and dtype in (torch.float32, torch.float64):
+                    fns[SPECULATIVE] = _speculative_callable(args, mode)
+                if has_jax:
+                    fns[JAX_IMPL] = _jax_callable(args, mode)
+                medians[mode] = _time_interleaved(fns, min_time, repeats)
+                log(f"  one system  {dname:8s} threads={threads} n={n:>8d} {mode:8s} ns/unknown: "
+                    + "  ".join(f"{_short(impl)} {s / n * 1e9:.1f}"
+                                for impl, s in medians[mode].items()))
+            gtsv, floor = medians["forward"][RAW_GTSV], medians["forward"][FLOOR]
+            for mode, times in medians.items():
+                jax_seconds = times.get(JAX_IMPL)
+                for impl, seconds in times.items():
+                    rows.append(dict(
+                        impl=impl, mode=mode, n=n, dtype=dname, threads=threads, seconds=seconds,
+                        ns_per_unknown=seconds / n * 1e9,
+                        vs_gtsv=seconds / gtsv if mode == "forward" else None,
+                        vs_jax=seconds / jax_seconds if jax_seconds else None,
+                        floor_ns_per_unknown=floor / n * 1e9, affinity=cores,
+                        torch_threads=torch.get_num_threads()))
+    return rows
+
+
+def format_one_system(rows) -> str:
+    """The rows of :func:`run_one_system` as a table: ns per unknown and the ratios."""
+    lines = [f"{'impl':40s} {'mode':8s} {'dtype':7s} {'thr':>3s} {'n':>8s} {'ns/unk':>7s} "
+             f"{'/gtsv':>6s} {'/jax':>6s} {'floor':>6s}"]
+    for r in rows:
+        gtsv = "" if r["vs_gtsv"] is None else f"{r['vs_gtsv']:.2f}"
+        jax = "" if r["vs_jax"] is None else f"{r['vs_jax']:.2f}"
+        lines.append(f"{r['impl'][:40]:40s} {r['mode']:8s} {r['dtype']:7s} {r['threads']:>3d} "
+                     f"{r['n']:>8d} {r['ns_per_unknown']:7.2f} {gtsv:>6s} {jax:>6s} "
+                     f"{r['floor_ns_per_unknown']:6.2f}")
+    return "\n".join(lines)
+
+
 def _short(impl: str) -> str:
     """A short label of one of the final op's rows, for the log."""
-    return {FINAL: "as installed", FINAL_LAPACK: "lapack", COMPILED_FINAL: "compiled"}.get(
+    return {FINAL: "as installed", FINAL_LAPACK: "lapack", COMPILED_FINAL: "compiled",
+            RAW_GTSV: "gtsv", FLOOR: "floor", JAX_IMPL: "jax", SPECULATIVE: "speculative"}.get(
         impl, impl)
 
 
@@ -1172,6 +1288,10 @@ def main(argv=None):
                         help="run only the route-justification experiment (run_routes: the final op "
                              "against itself without a fast path, with plain Function.apply, on "
                              "LAPACK, and chapter 4's Function); with --merge, keep the rest")
+    parser.add_argument("--one-system-only", action="store_true",
+                        help="run only the experiment on one large system (run_one_system: raw "
+                             "?gtsv, the final op, JAX and the memory floor, interleaved, on 1 and "
+                             "2 threads); with --merge, keep the rest of the merged file")
     parser.add_argument("--torch-kernels-only", action="store_true",
                         help="run only the experiment on the kernels in torch ops "
                              "(run_torch_kernels); with --merge, keep the rest of the merged file")
@@ -1182,6 +1302,10 @@ def main(argv=None):
         return _main_experiment(opts, "cliffs", run_cliffs, [(16, 8), (8, 64)])
     if opts.torch_kernels_only:
         return _main_experiment(opts, "torch_kernels", run_torch_kernels, [(16, 4), (100, 0)])
+    if opts.one_system_only:
+        report = _main_experiment(opts, "one_system", run_one_system, [10**4], threads="1,2")
+        print(format_one_system(report["one_system"]))
+        return report
     if opts.routes_only:
         report = _main_experiment(opts, "routes", run_routes, [(100, 0), (8, 16)], threads="1")
         print(format_routes(report["routes"]))

@@ -289,7 +289,7 @@ def _check_not_forward_over_forward() -> None:
 # The ops. Their schemas are in C++ (csrc/tridiag.cpp); SCHEMAS defines the same ones where the
 # extension was not built. tridiag_tutorial::solve has an Autograd kernel of our own;
 # solve_kernel (the kernel alone, what the graphs call forward and backward) and lu_factor have
-# fake kernels and vmap rules; cpp_solve is the C++ kernel.
+# fake kernels and vmap rules; cpp_solve (and cpp_solve_ex) is the C++ kernel.
 # --------------------------------------------------------------------------------------------
 SCHEMAS = {
     "solve": "solve(Tensor lower, Tensor diag, Tensor upper, Tensor rhs, Tensor? lu, "
@@ -358,6 +358,12 @@ def _cpp_solve_fake(lower, diag, upper, rhs):
     return rhs.new_empty(rhs.shape), rhs.new_empty((), dtype=torch.int64)
 
 
+def _cpp_solve_ex_fake(lower, diag, upper, rhs, speculative_min_n):
+    """Fake kernel of ``cpp_solve_ex``: ``cpp_solve``'s and a 0-dim int64 fallback count."""
+    x, info = _cpp_solve_fake(lower, diag, upper, rhs)
+    return x, info, rhs.new_empty((), dtype=torch.int64)
+
+
 def _on_kernel(op, trans: str, driver: str):
     """``op`` as a function of its six tensors, with the last two arguments bound."""
     return lambda *tensors: op(*tensors, trans, driver)
@@ -398,6 +404,7 @@ torch.library.register_fake("tridiag_tutorial::solve", _solve_fake, lib=_LIB)
 torch.library.register_fake("tridiag_tutorial::lu_factor", _lu_factor_fake, lib=_LIB)
 if compiled.is_available():
     torch.library.register_fake("tridiag_tutorial::cpp_solve", _cpp_solve_fake, lib=_LIB)
+    torch.library.register_fake("tridiag_tutorial::cpp_solve_ex", _cpp_solve_ex_fake, lib=_LIB)
 
 _kernel_op = torch.ops.tridiag_tutorial.solve_kernel.default
 _factor_op = torch.ops.tridiag_tutorial.lu_factor.default

@@ -8,6 +8,7 @@
 //   tridiag_tutorial::solve_kernel(... the same ...) -> x
 //   tridiag_tutorial::lu_factor(lower, diag, upper, driver) -> (lu, pivots)
 //   tridiag_tutorial::cpp_solve(lower, diag, upper, rhs) -> (x, info)
+//   tridiag_tutorial::cpp_solve_ex(lower, diag, upper, rhs, speculative_min_n) -> (x, info, fallbacks)
 //
 // The Python package (tridiag_tutorial/ops.py) registers their fake kernels, the Autograd kernel
 // of solve, the vmap rules and the kernels of each device (LAPACK through SciPy, this file's
@@ -50,7 +51,10 @@
 // where one system's elimination is a single chain that waits for each division. Blocks are
 // distributed over threads with torch::stable::parallel_for (at::parallel_for underneath); the
 // last block is padded with identity systems. Fewer than W systems (one large system, say) use
-// the same code with W = 1, each system solved in place in the output.
+// the same code with W = 1, each system solved in place in the output; or, through cpp_solve_ex,
+// real systems from a given size on go to the speculative kernel below, which cuts each system
+// into pieces and eliminates the pieces side by side, with the same operations and so the same
+// bits.
 //
 // A system is reported exactly where ?gtsv returns INFO > 0: dgtsv/sgtsv check for a zero pivot
 // only in the step without interchange (d[i] = 0 with |d[i]| >= |lower[i]|) and at d[n-1]; the
@@ -79,6 +83,13 @@
 #include <string>
 #include <tuple>
 #include <vector>
+
+// 32-byte vector types (the speculative kernel's AVX2 lanes) pass through the inline helpers
+// below in code compiled for plain x86-64 too; GCC warns that their calling convention would
+// differ there, which matters only for functions called across translation units (none are).
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic ignored "-Wpsabi"
+#endif
 
 extern "C" {
 // An empty module tridiag_tutorial._C: importing it loads this library, whose static
@@ -439,25 +450,582 @@ void record_singular(std::atomic<int64_t>& first, int64_t code) {
   }
 }
 
+// --------------------------------------------------------------------------------------------
+// One large real system: many elimination chains in flight, LAPACK's answer bit for bit.
+//
+// ?gtsv (and real_kernel_one) is one chain of dependent divisions: each step needs the pivot the
+// step before produced, so the CPU waits for every division and does little else. This kernel
+// cuts the rows into P pieces of m rows and eliminates W pieces side by side in SIMD registers
+// (their rows copied side by side, element i of the W pieces contiguous), each piece starting
+// from a guess: that the rows above it changed nothing (its first row as given). The guess is
+// wrong, but Gaussian elimination forgets its start: the state carried from row to row (the
+// row's diagonal, superdiagonal and right-hand side as modified by the steps above) depends on
+// the rows far above less and less, and after some tens of rows a chain started from the true
+// state computes the very same numbers, to the last bit, as the chain started from the guess.
+// So a repair runs the true chain from the end of the piece above (?gtsv's operations, scalar)
+// until its state equals the speculative one at a checkpoint (every kCheckpoint rows); from
+// there on, the speculative results are exact. The back substitution is done the same way,
+// upward: each piece from a guess of zero below it, then repaired from the true values below
+// until two consecutive values agree. Where a repair reaches the end of its piece without
+// agreeing, the next piece's repair starts again from the repaired state, so the worst case is
+// the sequential elimination itself (counted as a fallback).
+//
+// Every number is the result of the same operations on the same operands as in ?gtsv (the
+// arithmetic of real_kernel, which matches it bit for bit), so the answer is ?gtsv's: the same
+// accuracy, the same pivots. A zero pivot anywhere (a singular matrix, or a spurious one in a
+// speculative row) and any non-finite answer hand the system to real_kernel_one, which reports
+// ?gtsv's INFO and produces its NaNs.
+// --------------------------------------------------------------------------------------------
+typedef double v4d __attribute__((vector_size(32)));
+typedef float v8f __attribute__((vector_size(32)));
+typedef int64_t v4l __attribute__((vector_size(32)));
+typedef int32_t v8i __attribute__((vector_size(32)));
+
+template <typename V>
+struct Lane;
+template <>
+struct Lane<v2d> {
+  using R = double;
+  using I = v2l;
+  static constexpr int64_t kMag = INT64_MAX;
+};
+template <>
+struct Lane<v4f> {
+  using R = float;
+  using I = v4i;
+  static constexpr int32_t kMag = INT32_MAX;
+};
+template <>
+struct Lane<v4d> {
+  using R = double;
+  using I = v4l;
+  static constexpr int64_t kMag = INT64_MAX;
+};
+template <>
+struct Lane<v8f> {
+  using R = float;
+  using I = v8i;
+  static constexpr int32_t kMag = INT32_MAX;
+};
+
+// cpp_solve does not use the speculative kernel yet (the package's routing and its measurements
+// do not know it); cpp_solve_ex does, from the size its caller gives (compiled.SPECULATIVE_MIN_N:
+// from there on it measured faster than the sequential kernel).
+constexpr int64_t kNoSpeculative = std::numeric_limits<int64_t>::max();
+constexpr int64_t kPieceRows = 512;        // the target m (measured: 256 to 2048 within 10%)
+constexpr int64_t kCheckpoint = 8;
+        // rows between two checkpoints of the forward state
+
+// One system (n rows, k right-hand sides; L, U n-1 and D n reals, B and X n x k row-major) and
+// the workspace of its pieces, in the side-by-side layout: piece q's row i at
+// ((q / W * m + i) * W + q % W) (times k, plus column j, for b and x).
+template <typename R>
+struct Spec {
+  const R *L, *D, *U, *B;
+  R* X;
+  int64_t n, k, m, P, W;
+  R *d = nullptr, *du = nullptr, *dl = nullptr, *b = nullptr, *x = nullptr;
+  R* ck = nullptr;    // checkpoints [P / W][m / kCheckpoint + 1][2 + k][W]
+  R* ends = nullptr;  // [P][2 + k]: each piece's state at its last row, speculative
+
+  int64_t at(int64_t q, int64_t i) const { return (q / W * m + i) * W + q % W; }
+  int64_t atb(int64_t q, int64_t i, int64_t j) const {
+    return ((q / W * m + i) * k + j) * W + q % W;
+  }
+  int64_t checkpoints() const { return m / kCheckpoint + 1; }
+  // Row r of A (identity rows past n): its diagonal, its entry right of the diagonal, the entry
+  // below its diagonal (A[r+1, r]) and its right-hand side.
+  R Dr(int64_t r) const { return r < n ? D[r] : R(1); }
+  R Ur(int64_t r) const { return r + 1 < n ? U[r] : R(0); }
+  R Lr(int64_t r) const { return r + 1 < n ? L[r] : R(0); }
+  R Br(int64_t r, int64_t j) const { return r < n ? B[r * k + j] : R(0); }
+};
+
+template <typename V, int NV>
+struct SpecTile {
+  using R = typename Lane<V>::R;
+  using I = typename Lane<V>::I;
+  static constexpr int VL = static_cast<int>(sizeof(V) / sizeof(R));
+  static constexpr int W = NV * VL;
+
+  static TT_INLINE V vabs(V x) { return (V)((I)x & (I{} + Lane<V>::kMag)); }
+
+  // Rows of the W pieces of tile t side by side, then each piece eliminated from its own first
+  // row (?gtsv's forward steps, a select for the interchange), with checkpoints of the state.
+  // Returns whether a step met a zero pivot.
+  static TT_INLINE bool forward(const Spec<R>& s, int64_t t) {
+    const int64_t m = s.m, k = s.k, first = t * W * m, C = s.checkpoints();
+    R* d = s.d + t * m * W;
+    R* du = s.du + t * m * W;
+    R* dl = s.dl + t * m * W;
+    R* b = s.b + t * m * k * W;
+    R* ck = s.ck + t * C * (2 + k) * W;
+    const bool inside = first + W * m + 1 < s.n;  // every row and the next one inside A
+    // Row i of the W pieces side by side. The copy goes a block of rows at a time, one piece
+    // after another: W pieces read row by row at once are 4 W streams of memory, more than the
+    // hardware prefetchers follow (measured: 3 times slower at n = 1e6).
+    constexpr int64_t kBlock = 64;
+    const V zero{};
+    const V one = zero + R(1);
+    V bad[NV];
+    for (int o = 0; o < NV; ++o) bad[o] = zero;
+    for (int64_t i0 = 0; i0 < m; i0 += kBlock) {
+      const int64_t i1 = std::min(m, i0 + kBlock);
+      for (int w = 0; w < W; ++w) {
+        const int64_t r0 = first + w * m;
+        if (inside) {
+          const R* D = s.D + r0;
+          const R* U = s.U + r0;
+          const R* L = s.L + r0;
+          for (int64_t i = i1; i < std::min(m, i1 + kBlock); i += 64 / sizeof(R)) {
+            __builtin_prefetch(D + i);  // the next block of this piece, while this one is copied
+            __builtin_prefetch(U + i);
+            __builtin_prefetch(L + i);
+            __builtin_prefetch(s.B + r0 * k + i * k);
+          }
+          for (int64_t i = i0; i < i1; ++i) d[i * W + w] = D[i];
+          for (int64_t i = i0; i < i1; ++i) du[i * W + w] = U[i];
+          for (int64_t i = i0; i < i1; ++i) dl[i * W + w] = L[i];
+          if (k == 1) {
+            const R* Bp = s.B + r0;
+            for (int64_t i = i0; i < i1; ++i) b[i * W + w] = Bp[i];
+            continue;
+          }
+        } else {
+          for (int64_t i = i0; i < i1; ++i) {
+            d[i * W + w] = s.Dr(r0 + i);
+            du[i * W + w] = s.Ur(r0 + i);
+            dl[i * W + w] = s.Lr(r0 + i);
+          }
+        }
+        for (int64_t i = i0; i < i1; ++i) {
+          for (int64_t j = 0; j < k; ++j) b[(i * k + j) * W + w] = s.Br(r0 + i, j);
+        }
+      }
+      // The steps whose two rows are in: (i, i + 1) for i + 1 < i1, while the block is in cache.
+      for (int64_t i = std::max<int64_t>(0, i0 - 1); i + 1 < i1; ++i) {
+      if (i % kCheckpoint == 0) {
+        R* c = ck + (i / kCheckpoint) * (2 + k) * W;
+        std::memcpy(c, d + i * W, sizeof(R) * W);
+        std::memcpy(c + W, du + i * W, sizeof(R) * W);
+        std::memcpy(c + 2 * W, b + i * k * W, sizeof(R) * k * W);
+      }
+      for (int o = 0; o < NV; ++o) {
+        R* d0 = d + i * W + o * VL;
+        R* u0 = du + i * W + o * VL;
+        R* l0 = dl + i * W + o * VL;
+        const V a = ld<V>(d0), l = ld<V>(l0), c = ld<V>(u0), e = ld<V>(d0 + W),
+                g = ld<V>(u0 + W);
+        const auto sw = (vabs(a) >= vabs(l)) == 0;  // interchange (also on NaN, as in dgtsv)
+        const V p = sw ? l : a;
+        const V f = (sw ? a : l) / p;
+        st(d0, p);
+        st(u0, sw ? e : c);
+        st(d0 + W, (sw ? c : e) - f * (sw ? e : c));
+        st(l0, sw ? g : zero);
+        st(u0 + W, sw ? -(f * g) : g);
+        bad[o] = ((sw == 0) & (a == zero)) ? one : bad[o];
+        for (int64_t j = 0; j < k; ++j) {
+          R* b0 = b + (i * k + j) * W + o * VL;
+          R* b1 = b0 + k * W;
+          const V x0 = ld<V>(b0), x1 = ld<V>(b1);
+          const V q = sw ? x1 : x0;
+          st(b0, q);
+          st(b1, (sw ? x0 : x1) - f * q);
+        }
+      }
+      }
+    }
+    for (int w = 0; w < W; ++w) {  // each piece's state at its last row
+      R* e = s.ends + (t * W + w) * (2 + k);
+      e[0] = d[(m - 1) * W + w];
+      e[1] = du[(m - 1) * W + w];
+      for (int64_t j = 0; j < k; ++j) e[2 + j] = b[((m - 1) * k + j) * W + w];
+    }
+    bool any = false;
+    for (int o = 0; o < NV; ++o) {
+      for (int v = 0; v < VL; ++v) any |= bad[o][v] != R(0);
+    }
+    return any;
+  }
+
+  // Back substitution of the W pieces of tile t, each from a guess of zero below it, into x.
+  static TT_INLINE void backward(const Spec<R>& s, int64_t t) {
+    const int64_t m = s.m, k = s.k;
+    const R* d = s.d + t * m * W;
+    const R* du = s.du + t * m * W;
+    const R* dl = s.dl + t * m * W;
+    const R* b = s.b + t * m * k * W;
+    R* x = s.x + t * m * k * W;
+    constexpr int kCols = 2;
+    for (int64_t j0 = 0; j0 < k; j0 += kCols) {
+      const int nc = static_cast<int>(std::min<int64_t>(kCols, k - j0));
+      V xa[kCols][NV], xb[kCols][NV];  // x[i+1], x[i+2]
+      for (int c = 0; c < nc; ++c) {
+        for (int o = 0; o < NV; ++o) xa[c][o] = xb[c][o] = V{};
+      }
+      for (int64_t i = m - 1; i >= 0; --i) {
+        for (int o = 0; o < NV; ++o) {
+          const int64_t e = i * W + o * VL;
+          const V dd = ld<V>(d + e), uu = ld<V>(du + e), ll = ld<V>(dl + e);
+          for (int c = 0; c < nc; ++c) {
+            const int64_t eb = (i * k + j0 + c) * W + o * VL;
+            const V v = ((ld<V>(b + eb) - uu * xa[c][o]) - ll * xb[c][o]) / dd;
+            st(x + eb, v);
+            xb[c][o] = xa[c][o];
+            xa[c][o] = v;
+          }
+        }
+      }
+    }
+  }
+
+  // The answer of the W pieces of tile t into X; false where a value is not finite.
+  static TT_INLINE bool scatter(const Spec<R>& s, int64_t t) {
+    const int64_t m = s.m, k = s.k, first = t * W * m;
+    const R* x = s.x + t * m * k * W;
+    V finite[NV];  // stay 0 where every value is finite (inf - inf and NaN are NaN)
+    for (int o = 0; o < NV; ++o) finite[o] = V{};
+    for (int64_t e = 0; e < m * k * W; e += W) {
+      for (int o = 0; o < NV; ++o) {
+        const V v = ld<V>(x + e + o * VL);
+        finite[o] += v - v;
+      }
+    }
+    int hi = W;  // lanes whose piece lies inside A
+    while (hi > 0 && first + hi * m > s.n) --hi;
+    constexpr int64_t kBlock = 64;  // a block of rows at a time, as in forward
+    for (int64_t i0 = 0; i0 < m; i0 += kBlock) {
+      const int64_t i1 = std::min(m, i0 + kBlock);
+      for (int w = 0; w < W; ++w) {
+        const int64_t r0 = first + w * m;
+        if (w < hi && k == 1) {
+          R* Xp = s.X + r0;
+          for (int64_t i = i0; i < i1; ++i) Xp[i] = x[i * W + w];
+          continue;
+        }
+        for (int64_t i = i0; i < i1 && r0 + i < s.n; ++i) {
+          for (int64_t j = 0; j < k; ++j) s.X[(r0 + i) * k + j] = x[(i * k + j) * W + w];
+        }
+      }
+    }
+    bool ok = true;
+    for (int o = 0; o < NV; ++o) {
+      for (int v = 0; v < VL; ++v) ok &= finite[o][v] == R(0);
+    }
+    return ok;
+  }
+};
+
+enum class Repair { kMerged, kThrough, kBad };
+
+// Whether two reals have the same bits: == would take -0.0 for +0.0, whose sign a later
+// division can turn into an infinity of the other sign (and ?gtsv's answer keeps it).
+template <typename R>
+TT_INLINE bool same_bits(R a, R b) {
+  return std::memcmp(&a, &b, sizeof(R)) == 0;
+}
+
+// The forward repair of piece q >= 1: ?gtsv's steps from the state `state` ([2 + k]: diagonal,
+// superdiagonal, right-hand side) of the last row of piece q - 1, through the first rows of
+// piece q, until the state equals a checkpoint of the speculative chain. The steps' pivot rows
+// are written over the speculative ones. kThrough: no agreement in the piece; `state` is then
+// the state of piece q's last row. kBad: a zero pivot.
+// A repair that runs again (its state above has changed) does not stop before `reach`, the row
+// where the earlier one stopped: the rows before it hold the earlier run's values. On return,
+// reach is the row where this one stopped.
+template <typename R>
+Repair repair_forward(const Spec<R>& s, int64_t q, R* state, int64_t& reach) {
+  const int64_t m = s.m, k = s.k, C = s.checkpoints();
+  const int64_t W = s.W;
+  const R* ck = s.ck + (q / W * C) * (2 + k) * W + q % W;
+  const int64_t min_stop = reach;
+  for (int64_t i = -1; i + 1 < m; ++i) {  // the step of rows (i, i + 1) of piece q
+    reach = i;
+    if (i >= min_stop && i % kCheckpoint == 0) {
+      const R* c = ck + (i / kCheckpoint) * (2 + k) * W;
+      bool same = same_bits(c[0], state[0]) && same_bits(c[W], state[1]);
+      for (int64_t j = 0; j < k && same; ++j) same = same_bits(c[(2 + j) * W], state[2 + j]);
+      if (same) return Repair::kMerged;
+    }
+    const int64_t r = q * m + i;  // the global row of the pivot row
+    const int64_t at = i >= 0 ? s.at(q, i) : s.at(q - 1, m - 1);
+    const R a = state[0], c = state[1];
+    const R l = s.Lr(r), e = s.Dr(r + 1), g = s.Ur(r + 1);
+    const bool sw = !(std::abs(a) >= std::abs(l));
+    if (!sw && a == R(0)) return Repair::kBad;
+    const R p = sw ? l : a;
+    const R f = (sw ? a : l) / p;
+    s.d[at] = p;
+    s.du[at] = sw ? e : c;
+    s.dl[at] = sw ? g : R(0);
+    state[0] = (sw ? c : e) - f * (sw ? e : c);
+    state[1] = sw ? -(f * g) : g;
+    for (int64_t j = 0; j < k; ++j) {
+      const int64_t atb = i >= 0 ? s.atb(q, i, j) : s.atb(q - 1, m - 1, j);
+      const R x0 = state[2 + j], x1 = s.Br(r + 1, j);
+      const R qv = sw ? x1 : x0;
+      s.b[atb] = qv;
+      state[2 + j] = (sw ? x0 : x1) - f * qv;
+    }
+  }
+  reach = m;
+  return Repair::kThrough;
+}
+
+// The backward repair of piece q <= P - 2, column j: the back substitution from the true values
+// of piece q + 1's first two rows, until two consecutive values equal the speculative ones.
+// Returns true where they did (false: it went through the piece).
+template <typename R>
+bool repair_backward(const Spec<R>& s, int64_t q, int64_t j, R xa, R xb) {
+  bool same_below = false;
+  for (int64_t i = s.m - 1; i >= 0; --i) {
+    const int64_t e = s.at(q, i), eb = s.atb(q, i, j);
+    const R v = ((s.b[eb] - s.du[e] * xa) - s.dl[e] * xb) / s.d[e];
+    const bool same = same_bits(v, s.x[eb]);
+    if (same && same_below) return true;
+    if (!same) s.x[eb] = v;
+    same_below = same;
+    xb = xa;
+    xa = v;
+  }
+  return false;
+}
+
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#define TT_HAVE_AVX2 1
+#define TT_AVX2 __attribute__((target("avx2")))
+TT_AVX2 bool forward_avx2(const Spec<double>& s, int64_t t) { return SpecTile<v4d, 4>::forward(s, t); }
+TT_AVX2 bool forward_avx2(const Spec<float>& s, int64_t t) { return SpecTile<v8f, 4>::forward(s, t); }
+TT_AVX2 void backward_avx2(const Spec<double>& s, int64_t t) { SpecTile<v4d, 4>::backward(s, t); }
+TT_AVX2 void backward_avx2(const Spec<float>& s, int64_t t) { SpecTile<v8f, 4>::backward(s, t); }
+TT_AVX2 bool scatter_avx2(const Spec<double>& s, int64_t t) { return SpecTile<v4d, 4>::scatter(s, t); }
+TT_AVX2 bool scatter_avx2(const Spec<float>& s, int64_t t) { return SpecTile<v8f, 4>::scatter(s, t); }
+bool cpu_has_avx2() {
+  static const bool has = __builtin_cpu_supports("avx2");
+  return has;
+}
+#else
+#define TT_HAVE_AVX2 0
+#endif
+
+template <typename R>
+struct Narrow;  // 16-byte vectors: what plain x86-64 (SSE2) and aarch64 (NEON) have
+template <>
+struct Narrow<double> {
+  using T = SpecTile<v2d, 4>;
+};
+template <>
+struct Narrow<float> {
+  using T = SpecTile<v4f, 4>;
+};
+template <typename R>
+struct Wide;  // 32-byte vectors (AVX2), chosen at run time
+template <>
+struct Wide<double> {
+  using T = SpecTile<v4d, 4>;
+};
+template <>
+struct Wide<float> {
+  using T = SpecTile<v8f, 4>;
+};
+
+// The workspace of the speculative kernel: kept by each calling thread between calls and grown
+// to the largest system it solved (5 n reals for one right-hand side). Fresh memory costs a page
+// fault per 4 KiB on its first use, as much as the solve itself at n = 1e6 (measured: 2.6x the
+// time of a solve with the workspace kept).
+template <typename R>
+R* workspace(int64_t count) {
+  thread_local std::unique_ptr<R[]> buffer;
+  thread_local int64_t capacity = 0;
+  if (capacity < count) {
+    buffer.reset();
+    buffer.reset(new R[count]);
+    capacity = count;
+  }
+  return buffer.get();
+}
+
+// Solve one real system on the speculative kernel. Returns 0 where it solved it, 1 where a
+// repair went through a whole piece (the answer is still ?gtsv's), and -1 where it could not
+// (a zero pivot or a value that is not finite; X is then undefined and the caller solves the
+// system with real_kernel_one).
+template <typename R>
+int solve_speculative(const R* L, const R* D, const R* U, const R* B, R* X, int64_t n,
+                      int64_t k) {
+#if TT_HAVE_AVX2
+  const bool wide = cpu_has_avx2();
+#else
+  const bool wide = false;
+#endif
+  const int64_t W = wide ? Wide<R>::T::W : Narrow<R>::T::W;
+  int64_t P = std::max<int64_t>(W, (n + kPieceRows - 1) / kPieceRows);
+  P = (P + W - 1) / W * W;
+  int64_t m = (n + P - 1) / P;
+  // W pieces are read side by side, m rows apart: a distance close to a multiple of 4 KiB puts
+  // them in one set of the L1 cache, which then misses on every row. Move away from it.
+  while (m * static_cast<int64_t>(sizeof(R)) > 4096 - 512) {
+    const int64_t off = (m * static_cast<int64_t>(sizeof(R))) % 4096;
+    if (off >= 512 && off <= 4096 - 512) break;
+    P += W;
+    m = (n + P - 1) / P;
+  }
+  if (m < 2 * kCheckpoint) return -1;
+  const int64_t tiles = P / W, rows = P * m, C = m / kCheckpoint + 1;
+  Spec<R> s{L, D, U, B, X, n, k, m, P, W};
+  s.d = workspace<R>(rows * (3 + 2 * k) + tiles * C * (2 + k) * W + P * (2 + k));
+  s.du = s.d + rows;
+  s.dl = s.du + rows;
+  s.b = s.dl + rows;
+  s.x = s.b + rows * k;
+  s.ck = s.x + rows * k;
+  s.ends = s.ck + tiles * C * (2 + k) * W;
+  std::atomic<bool> bad{false};
+  torch::stable::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+#if TT_HAVE_AVX2
+      if (wide) {
+        if (forward_avx2(s, t)) bad.store(true);
+        continue;
+      }
+#endif
+      if (Narrow<R>::T::forward(s, t)) bad.store(true);
+    }
+  });
+  if (bad.load()) return -1;
+  // Forward repairs: all at once, each from the speculative state above it (ends); then, in
+  // order, again below each piece that a repair went through (its last row's state changed).
+  std::unique_ptr<Repair[]> how(new Repair[P]);
+  std::unique_ptr<int64_t[]> reach(new int64_t[P]);
+  std::vector<R> states(P * (2 + k));
+  torch::stable::parallel_for(1, P, 8, [&](int64_t begin, int64_t end) {
+    for (int64_t q = begin; q < end; ++q) {
+      R* state = &states[q * (2 + k)];
+      std::copy(s.ends + (q - 1) * (2 + k), s.ends + q * (2 + k), state);
+      reach[q] = -1;
+      how[q] = repair_forward(s, q, state, reach[q]);
+    }
+  });
+  int result = 0;
+  for (int64_t q = 1; q < P; ++q) {
+    if (how[q] == Repair::kBad) return -1;
+    if (how[q] != Repair::kThrough) continue;
+    result = 1;
+    if (q + 1 == P) {  // the last row of all: its state is its final pivot
+      const int64_t e = s.at(q, m - 1);
+      s.d[e] = states[q * (2 + k)];
+      s.du[e] = states[q * (2 + k) + 1];
+      for (int64_t j = 0; j < k; ++j) s.b[s.atb(q, m - 1, j)] = states[q * (2 + k) + 2 + j];
+      break;
+    }
+    R* next = &states[(q + 1) * (2 + k)];
+    std::copy(&states[q * (2 + k)], &states[(q + 1) * (2 + k)], next);
+    how[q + 1] = repair_forward(s, q + 1, next, reach[q + 1]);
+  }
+  if (s.d[s.at(P - 1, m - 1)] == R(0)) return -1;  // ?gtsv's check of the last pivot
+  torch::stable::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+#if TT_HAVE_AVX2
+      if (wide) {
+        backward_avx2(s, t);
+        continue;
+      }
+#endif
+      Narrow<R>::T::backward(s, t);
+    }
+  });
+  // Backward repairs: all at once from the speculative values of the first two rows below
+  // (tops), then upward again above each piece that a repair went through.
+  std::vector<R> tops(P * k * 2);
+  for (int64_t q = 1; q < P; ++q) {
+    for (int64_t j = 0; j < k; ++j) {
+      tops[(q * k + j) * 2] = s.x[s.atb(q, 0, j)];
+      tops[(q * k + j) * 2 + 1] = s.x[s.atb(q, 1, j)];
+    }
+  }
+  std::atomic<bool> through{false};
+  torch::stable::parallel_for(0, P - 1, 8, [&](int64_t begin, int64_t end) {
+    for (int64_t q = begin; q < end; ++q) {
+      for (int64_t j = 0; j < k; ++j) {
+        if (!repair_backward(s, q, j, tops[((q + 1) * k + j) * 2],
+                             tops[((q + 1) * k + j) * 2 + 1])) {
+          through.store(true);
+        }
+      }
+    }
+  });
+  if (through.load()) result = 1;
+  // From the bottom up: where a piece's first two values are not those its upper neighbour's
+  // repair started from, that repair runs again from the values now there.
+  for (int64_t j = 0; j < k; ++j) {
+    for (int64_t q = P - 2; q >= 0; --q) {
+      const R xa = s.x[s.atb(q + 1, 0, j)], xb = s.x[s.atb(q + 1, 1, j)];
+      if (same_bits(xa, tops[((q + 1) * k + j) * 2]) &&
+          same_bits(xb, tops[((q + 1) * k + j) * 2 + 1])) {
+        continue;
+      }
+      result = 1;
+      repair_backward(s, q, j, xa, xb);
+    }
+  }
+  std::atomic<bool> finite{true};
+  torch::stable::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+#if TT_HAVE_AVX2
+      if (wide) {
+        if (!scatter_avx2(s, t)) finite.store(false);
+        continue;
+      }
+#endif
+      if (!Narrow<R>::T::scatter(s, t)) finite.store(false);
+    }
+  });
+  return finite.load() ? result : -1;
+}
+
+
+
 // Solve nsys systems of size n with k right-hand sides. L, D, U, Bm, X are the contiguous
 // inputs and output as reals (complex: interleaved parts). first: min over singular systems of
 // system * n + pivot.
 template <typename R, bool Complex>
 void solve_all(const R* L, const R* D, const R* U, const R* Bm, R* X, int64_t nsys, int64_t n,
-               int64_t k, std::atomic<int64_t>& first) {
+               int64_t k, std::atomic<int64_t>& first, int64_t speculative_min_n,
+               int64_t& fallbacks) {
   constexpr int C = Complex ? 2 : 1;
   constexpr int W = kLanes<R>;
   const int64_t band = (n - 1) * C, dsize = n * C, bsize = n * k * C;
   const int64_t work = std::max<int64_t>(1, n * (k + 3));  // per system, roughly
+  std::vector<int64_t> sequential;  // the systems that the elimination below solves
+  bool speculative = false;
+  if constexpr (!Complex) {
+    speculative = nsys < W && n >= speculative_min_n && k >= 1;
+    if (speculative) {
+      // A few large systems: one after another, each on the speculative kernel (its pieces
+      // spread over the threads); a system it hands back is solved below, sequentially.
+      for (int64_t s = 0; s < nsys; ++s) {
+        const int how = solve_speculative<R>(L + s * band, D + s * dsize, U + s * band,
+                                             Bm + s * bsize, X + s * bsize, n, k);
+        if (how != 0) ++fallbacks;
+        if (how < 0) sequential.push_back(s);
+      }
+      if (sequential.empty()) return;
+    }
+  }
   if (nsys < W) {
+    if (!speculative) {
+      for (int64_t s = 0; s < nsys; ++s) sequential.push_back(s);
+    }
     // Few systems (one large system, say): W = 1, each system solved in place in the output.
     const int64_t grain = std::max<int64_t>(1, (1 << 15) / work);
-    torch::stable::parallel_for(0, nsys, grain, [&](int64_t begin, int64_t end) {
+    const int64_t count = static_cast<int64_t>(sequential.size());
+    torch::stable::parallel_for(0, count, grain, [&](int64_t begin, int64_t end) {
       std::unique_ptr<R[]> ws(new R[3 * dsize]);  // uninitialised: every element is written below
       R* d = ws.get();
       R* du = d + dsize;
       R* dl = du + dsize;
-      for (int64_t s = begin; s < end; ++s) {
+      for (int64_t t = begin; t < end; ++t) {
+        const int64_t s = sequential[t];
         std::copy(D + s * dsize, D + (s + 1) * dsize, d);
         std::copy(U + s * band, U + (s + 1) * band, du);
         std::copy(L + s * band, L + (s + 1) * band, dl);
@@ -594,27 +1162,32 @@ bool is_complex(ScalarType dtype) {
 
 // x = M^{-1} b for nsys systems, dispatched on dtype. L, D, U are M's bands (contiguous).
 void solve_dtype(ScalarType dtype, const void* L, const void* D, const void* U, const void* B,
-                 void* X, int64_t nsys, int64_t n, int64_t k, std::atomic<int64_t>& first) {
+                 void* X, int64_t nsys, int64_t n, int64_t k, std::atomic<int64_t>& first,
+                 int64_t speculative_min_n, int64_t& fallbacks) {
   switch (dtype) {
     case ScalarType::Float:
       solve_all<float, false>(static_cast<const float*>(L), static_cast<const float*>(D),
                               static_cast<const float*>(U), static_cast<const float*>(B),
-                              static_cast<float*>(X), nsys, n, k, first);
+                              static_cast<float*>(X), nsys, n, k, first, speculative_min_n,
+                              fallbacks);
       break;
     case ScalarType::Double:
       solve_all<double, false>(static_cast<const double*>(L), static_cast<const double*>(D),
                                static_cast<const double*>(U), static_cast<const double*>(B),
-                               static_cast<double*>(X), nsys, n, k, first);
+                               static_cast<double*>(X), nsys, n, k, first, speculative_min_n,
+                              fallbacks);
       break;
     case ScalarType::ComplexFloat:  // interleaved (re, im) pairs, read as reals
       solve_all<float, true>(static_cast<const float*>(L), static_cast<const float*>(D),
                              static_cast<const float*>(U), static_cast<const float*>(B),
-                             static_cast<float*>(X), nsys, n, k, first);
+                             static_cast<float*>(X), nsys, n, k, first, speculative_min_n,
+                              fallbacks);
       break;
     default:
       solve_all<double, true>(static_cast<const double*>(L), static_cast<const double*>(D),
                               static_cast<const double*>(U), static_cast<const double*>(B),
-                              static_cast<double*>(X), nsys, n, k, first);
+                              static_cast<double*>(X), nsys, n, k, first, speculative_min_n,
+                              fallbacks);
   }
 }
 
@@ -631,8 +1204,14 @@ std::vector<int64_t> sizes_of(const Tensor& t) {
   return shape;
 }
 
-std::tuple<Tensor, Tensor> cpp_solve(const Tensor& lower, const Tensor& diag, const Tensor& upper,
-                                     const Tensor& rhs) {
+// cpp_solve_ex(lower, diag, upper, rhs, speculative_min_n) -> (x, info, fallbacks): cpp_solve
+// with the size from which one real system (or each of fewer than W) goes to the speculative
+// kernel (cpp_solve: none), and how many such systems were not solved by it alone (a
+// repair went through a whole piece, or the system went to the sequential elimination), as a
+// 0-dim int64 tensor.
+std::tuple<Tensor, Tensor, Tensor> cpp_solve_ex(const Tensor& lower, const Tensor& diag,
+                                                const Tensor& upper, const Tensor& rhs,
+                                                int64_t speculative_min_n) {
   const Sizes z = check_inputs(lower, diag, upper, rhs);
   const ScalarType dtype = diag.scalar_type();
   const bool c = is_complex(dtype);
@@ -640,11 +1219,21 @@ std::tuple<Tensor, Tensor> cpp_solve(const Tensor& lower, const Tensor& diag, co
                b = dense_values(rhs, c);
   Tensor x = torch::stable::new_empty(b, sizes_of(rhs));  // C-contiguous, rhs's dtype and device
   std::atomic<int64_t> first{std::numeric_limits<int64_t>::max()};
+  int64_t fallbacks = 0;
   if (z.nsys > 0) {
     solve_dtype(dtype, l.const_data_ptr(), d.const_data_ptr(), u.const_data_ptr(),
-                b.const_data_ptr(), x.mutable_data_ptr(), z.nsys, z.n, z.k, first);
+                b.const_data_ptr(), x.mutable_data_ptr(), z.nsys, z.n, z.k, first,
+                speculative_min_n, fallbacks);
   }
-  return {x, info_tensor(b, first)};
+  Tensor count = torch::stable::new_empty(b, {}, ScalarType::Long);
+  *count.mutable_data_ptr<int64_t>() = fallbacks;
+  return {x, info_tensor(b, first), count};
+}
+
+std::tuple<Tensor, Tensor> cpp_solve(const Tensor& lower, const Tensor& diag, const Tensor& upper,
+                                     const Tensor& rhs) {
+  auto [x, info, fallbacks] = cpp_solve_ex(lower, diag, upper, rhs, kNoSpeculative);
+  return {x, info};
 }
 
 // What a process without the Python package runs for solve and solve_kernel: the kernel above,
@@ -692,10 +1281,13 @@ STABLE_TORCH_LIBRARY(tridiag_tutorial, m) {
         "Tensor? pivots, str trans, str driver) -> Tensor");
   m.def("lu_factor(Tensor lower, Tensor diag, Tensor upper, str driver) -> (Tensor, Tensor)");
   m.def("cpp_solve(Tensor lower, Tensor diag, Tensor upper, Tensor rhs) -> (Tensor, Tensor)");
+  m.def("cpp_solve_ex(Tensor lower, Tensor diag, Tensor upper, Tensor rhs, int speculative_min_n) "
+        "-> (Tensor, Tensor, Tensor)");
 }
 
 STABLE_TORCH_LIBRARY_IMPL(tridiag_tutorial, CPU, m) {
   m.impl("cpp_solve", TORCH_BOX(&cpp_solve));
+  m.impl("cpp_solve_ex", TORCH_BOX(&cpp_solve_ex));
 }
 
 STABLE_TORCH_LIBRARY_IMPL(tridiag_tutorial, CompositeExplicitAutograd, m) {
