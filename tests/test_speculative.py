@@ -10,6 +10,10 @@ gradients that the op's backward would compute with it.
 Bitwise means the bits: values are compared as integers (so -0.0 differs from 0.0), and NaN
 only in where it is (its payload is not compared)."""
 
+import os
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 import torch
@@ -513,3 +517,20 @@ def test_gradients_match_dense(k):
         return (x * w).sum()
 
     assert_grads_match_dense(grads, args, loss)
+
+
+# ----------------------------------------------------------------------------------------------
+# 10. The 16-byte lanes (plain x86-64, aarch64), on this CPU too.
+# ----------------------------------------------------------------------------------------------
+@pytest.mark.skipif(bool(os.environ.get("TRIDIAG_TUTORIAL_NO_AVX2")), reason="already in it")
+def test_sixteen_byte_lanes_match_lapack_too():
+    """With TRIDIAG_TUTORIAL_NO_AVX2=1 the kernel uses the lanes of CPUs without AVX2 (and
+    other piece sizes): the bit-for-bit, signed-zero, non-finite and singular tests pass there
+    as well (run in a process of their own, since the choice is made when the library loads)."""
+    env = dict(os.environ, TRIDIAG_TUTORIAL_NO_AVX2="1")
+    run = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k",
+         "bit_for_bit or signed_zeros or non_finite or singular or small_batches"],
+        env=env, capture_output=True, text=True, cwd=os.path.dirname(__file__), timeout=600)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-2000:]
+    assert " passed" in run.stdout and " failed" not in run.stdout

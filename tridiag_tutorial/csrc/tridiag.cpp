@@ -76,6 +76,7 @@
 #include <cmath>
 #include <complex>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <limits>
 #include <memory>
@@ -795,14 +796,17 @@ bool repair_backward(const Spec<R>& s, int64_t q, int64_t j, R xa, R xb) {
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
 #define TT_HAVE_AVX2 1
 #define TT_AVX2 __attribute__((target("avx2")))
-TT_AVX2 bool forward_avx2(const Spec<double>& s, int64_t t) { return SpecTile<v4d, 4>::forward(s, t); }
-TT_AVX2 bool forward_avx2(const Spec<float>& s, int64_t t) { return SpecTile<v8f, 4>::forward(s, t); }
-TT_AVX2 void backward_avx2(const Spec<double>& s, int64_t t) { SpecTile<v4d, 4>::backward(s, t); }
-TT_AVX2 void backward_avx2(const Spec<float>& s, int64_t t) { SpecTile<v8f, 4>::backward(s, t); }
-TT_AVX2 bool scatter_avx2(const Spec<double>& s, int64_t t) { return SpecTile<v4d, 4>::scatter(s, t); }
-TT_AVX2 bool scatter_avx2(const Spec<float>& s, int64_t t) { return SpecTile<v8f, 4>::scatter(s, t); }
+TT_AVX2 bool forward_avx2(const Spec<double>& s, int64_t t) { return SpecTile<v4d, 2>::forward(s, t); }
+TT_AVX2 bool forward_avx2(const Spec<float>& s, int64_t t) { return SpecTile<v8f, 2>::forward(s, t); }
+TT_AVX2 void backward_avx2(const Spec<double>& s, int64_t t) { SpecTile<v4d, 2>::backward(s, t); }
+TT_AVX2 void backward_avx2(const Spec<float>& s, int64_t t) { SpecTile<v8f, 2>::backward(s, t); }
+TT_AVX2 bool scatter_avx2(const Spec<double>& s, int64_t t) { return SpecTile<v4d, 2>::scatter(s, t); }
+TT_AVX2 bool scatter_avx2(const Spec<float>& s, int64_t t) { return SpecTile<v8f, 2>::scatter(s, t); }
+// TRIDIAG_TUTORIAL_NO_AVX2=1 in the environment when the library loads: the 16-byte lanes that
+// plain x86-64 and aarch64 use (the tests run them that way on any CPU).
 bool cpu_has_avx2() {
-  static const bool has = __builtin_cpu_supports("avx2");
+  static const bool has = __builtin_cpu_supports("avx2") &&
+                          std::getenv("TRIDIAG_TUTORIAL_NO_AVX2") == nullptr;
   return has;
 }
 #else
@@ -823,11 +827,11 @@ template <typename R>
 struct Wide;  // 32-byte vectors (AVX2), chosen at run time
 template <>
 struct Wide<double> {
-  using T = SpecTile<v4d, 4>;
+  using T = SpecTile<v4d, 2>;
 };
 template <>
 struct Wide<float> {
-  using T = SpecTile<v8f, 4>;
+  using T = SpecTile<v8f, 2>;
 };
 
 // The workspace of the speculative kernel: kept by each calling thread between calls and grown
@@ -880,16 +884,20 @@ int solve_speculative(const R* L, const R* D, const R* U, const R* B, R* X, int6
   s.x = s.b + rows * k;
   s.ck = s.x + rows * k;
   s.ends = s.ck + tiles * C * (2 + k) * W;
+  // Each tile: the speculative elimination, then at once (its rows still in cache) the
+  // speculative back substitution.
   std::atomic<bool> bad{false};
   torch::stable::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
 #if TT_HAVE_AVX2
       if (wide) {
         if (forward_avx2(s, t)) bad.store(true);
+        backward_avx2(s, t);
         continue;
       }
 #endif
       if (Narrow<R>::T::forward(s, t)) bad.store(true);
+      Narrow<R>::T::backward(s, t);
     }
   });
   if (bad.load()) return -1;
@@ -923,15 +931,25 @@ int solve_speculative(const R* L, const R* D, const R* U, const R* B, R* X, int6
     how[q + 1] = repair_forward(s, q + 1, next, reach[q + 1]);
   }
   if (s.d[s.at(P - 1, m - 1)] == R(0)) return -1;  // ?gtsv's check of the last pivot
-  torch::stable::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) {
-#if TT_HAVE_AVX2
-      if (wide) {
-        backward_avx2(s, t);
-        continue;
+  // The repairs rewrote the pivot rows of the first reach[q] rows of each piece q (all of them
+  // where one went through): their speculative back substitution used the old ones. Run it
+  // again there, upward from the first row the repair left alone (below the piece: the same
+  // guess of zero). The last row of the piece above also changed: its backward repair, which
+  // starts there, takes care of it.
+  torch::stable::parallel_for(1, P, 8, [&](int64_t begin, int64_t end) {
+    for (int64_t q = begin; q < end; ++q) {
+      const int64_t top = std::min(reach[q], m);
+      for (int64_t j = 0; j < k; ++j) {
+        R xa = top < m ? s.x[s.atb(q, top, j)] : R(0);
+        R xb = top + 1 < m ? s.x[s.atb(q, top + 1, j)] : R(0);
+        for (int64_t i = top - 1; i >= 0; --i) {
+          const int64_t e = s.at(q, i), eb = s.atb(q, i, j);
+          const R v = ((s.b[eb] - s.du[e] * xa) - s.dl[e] * xb) / s.d[e];
+          s.x[eb] = v;
+          xb = xa;
+          xa = v;
+        }
       }
-#endif
-      Narrow<R>::T::backward(s, t);
     }
   });
   // Backward repairs: all at once from the speculative values of the first two rows below
