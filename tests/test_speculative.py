@@ -44,10 +44,13 @@ def _cpp():
 # Helpers: where pieces start, the families of matrices, SciPy's ?gtsv, bitwise comparison.
 # ----------------------------------------------------------------------------------------------
 def piece_rows(n, dtype, width):
-    """Rows per piece by the rule of solve_speculative with ``width`` pieces side by side: about
-    512 rows, a multiple of ``width`` pieces, moved off a stride close to a multiple of 4 KiB."""
+    """Rows per piece by the rule of solve_speculative with ``width`` pieces side by side (8
+    doubles or 16 floats, with AVX2 or without): about 1024 rows, at least one tile of ``width``
+    pieces per thread where pieces of 256 rows allow it, a multiple of ``width`` pieces, moved
+    off a stride close to a multiple of 4 KiB."""
     size = torch.finfo(dtype).bits // 8
-    pieces = -(-max(width, -(-n // 512)) // width) * width
+    pieces = -(-max(width, -(-n // 1024)) // width) * width
+    pieces = max(pieces, width * min(torch.get_num_threads(), n // (width * 256)))
     m = -(-n // pieces)
     while m * size > 4096 - 512 and not 512 <= (m * size) % 4096 <= 4096 - 512:
         pieces += width
@@ -56,13 +59,10 @@ def piece_rows(n, dtype, width):
 
 
 def middle_boundaries(n, dtype):
-    """The first row of the piece nearest the middle, with AVX2 (16 doubles, 32 floats side by
-    side) and without (8, 16): whichever the CPU has, one of them is a piece boundary."""
-    out = set()
-    for width in (BLOCK[dtype], 2 * BLOCK[dtype]):
-        m = piece_rows(n, dtype, width)
-        out.add(max(m, round(n / 2 / m) * m))
-    return sorted(out)
+    """The first row of the piece nearest the middle (whether the CPU has AVX2 or not, W pieces
+    side by side: 8 doubles, 16 floats)."""
+    m = piece_rows(n, dtype, BLOCK[dtype])
+    return [max(m, round(n / 2 / m) * m)]
 
 
 def make_family(family, n, dtype, k=None, seed=0):

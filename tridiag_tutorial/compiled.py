@@ -18,12 +18,12 @@ bit, NaN included, and it reports a zero pivot exactly where ``?gtsv`` does
 
 :func:`solve_ex` (the op ``cpp_solve_ex``) sends one real system of ``n >= SPECULATIVE_MIN_N``
 unknowns (or each of a batch smaller than a block) to the *speculative* kernel instead; the
-package's automatic choice does not use it yet. The rows are cut into pieces of about 512, the pieces
-are eliminated side by side (16 or 32 chains in flight, in AVX2 registers where the CPU has
-them), each starting as if the rows above it changed nothing, and a short repair then runs the
-true elimination from the piece above until it computes the same bits as the speculative one,
-which happens after some tens of rows because elimination forgets where it started. The
-answer is ``?gtsv``'s bit for bit; a system whose repair never agrees is, in effect, solved
+package's automatic choice does not use it yet. The rows are cut into pieces of about 1024, the
+pieces are eliminated side by side (8 chains in flight in double precision, 16 in single, in
+AVX2 registers where the CPU has them), each starting as if the rows above it changed nothing,
+and a short repair then runs the true elimination from the piece above until it computes the
+same bits as the speculative one, which happens after some tens of rows because elimination
+forgets where it started. The answer is ``?gtsv``'s bit for bit; a system whose repair never agrees is, in effect, solved
 sequentially, and one with a zero pivot or a value that is not finite is solved again by the
 sequential kernel (``tests/test_speculative.py``). :func:`solve_ex` tells how often.
 
