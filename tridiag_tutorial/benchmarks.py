@@ -835,20 +835,27 @@ def run_against_jax(cases=AGAINST_JAX_CASES, dtypes=(torch.float32, torch.float6
     name; ``None`` where they cannot be seen). Needs JAX."""
     if importlib.util.find_spec("jax") is None:
         raise RuntimeError("run_against_jax needs JAX: pip install jax")
+    config = dict(cases=[list(c) for c in cases],
+                  dtypes=[str(d).replace("torch.", "") for d in dtypes],
+                  min_time=min_time, repeats=repeats,
+                  compiled_cases=[list(c) for c in compiled_cases])
+    return _in_pinned_processes(threads, config, "against JAX", log)
+
+
+def _in_pinned_processes(threads, config: dict, label: str, log) -> list:
+    """The rows of :func:`_in_pinned_process` with ``config`` for each of ``threads`` (``None``:
+    every core this process may use), in a process pinned to that many cores (``config`` gets
+    ``threads`` and ``cores``); a count above the cores available is skipped, said so."""
     available = _cpu_cores()
     rows = []
     counts = [wanted or (len(available) if available else os.cpu_count()) for wanted in threads]
     for count in dict.fromkeys(counts):  # (1, None) on one core: one process
         if available is not None and count > len(available):
-            log(f"  against JAX: no rows for {count} threads: this process may use "
+            log(f"  {label}: no rows for {count} threads: this process may use "
                 f"{len(available)} core(s)")
             continue
-        config = dict(cases=[list(c) for c in cases],
-                      dtypes=[str(d).replace("torch.", "") for d in dtypes],
-                      threads=count, cores=None if available is None else available[:count],
-                      min_time=min_time, repeats=repeats,
-                      compiled_cases=[list(c) for c in compiled_cases])
-        rows += _in_pinned_process(config, log)
+        cores = None if available is None else available[:count]
+        rows += _in_pinned_process(dict(config, threads=count, cores=cores), log)
     return rows
 
 
@@ -941,19 +948,10 @@ def run_one_system(cases=ONE_SYSTEM_CASES, dtypes=(torch.float32, torch.float64)
     ``None``), ``vs_jax`` (seconds / JAX's in the same mode, or ``None``),
     ``floor_ns_per_unknown`` and what the process saw (``affinity``, ``torch_threads``). A thread
     count above the cores available is skipped, said so."""
-    available = _cpu_cores()
-    rows = []
-    for count in dict.fromkeys(threads):
-        if available is not None and count > len(available):
-            log(f"  one system: no rows for {count} threads: this process may use "
-                f"{len(available)} core(s)")
-            continue
-        config = dict(entry="_one_system_here", cases=list(cases),
-                      dtypes=[str(d).replace("torch.", "") for d in dtypes], threads=count,
-                      cores=None if available is None else available[:count],
-                      min_time=min_time, repeats=repeats)
-        rows += _in_pinned_process(config, log)
-    return rows
+    config = dict(entry="_one_system_here", cases=list(cases),
+                  dtypes=[str(d).replace("torch.", "") for d in dtypes],
+                  min_time=min_time, repeats=repeats)
+    return _in_pinned_processes(threads, config, "one system", log)
 
 
 def _one_system_here(cases, dtypes, threads, cores, min_time, repeats, log=print):
