@@ -254,8 +254,11 @@ def test_public_op_runs_the_kernel_forward_and_backward(calls, dtype):
 def test_backward_on_the_kernel_matches_dense(calls, dtype, n, batch, k, driver):
     args = make_system(n, batch, k, dtype=dtype, requires_grad=True, seed=60 + n)
     x = tridiagonal_solve(*args, driver=driver)
-    node = x.grad_fn.next_functions[0][0] if k is None else x.grad_fn  # (..., n): a squeeze last
-    assert "TridiagonalSolve" in node.name()
+    if driver is None:  # nothing else observes the call: ops._CppSolve, the op with a backward
+        assert x.grad_fn.name() == "_CppSolveBackward"
+    else:  # the general path's Function ((..., n): a squeeze last)
+        node = x.grad_fn.next_functions[0][0] if k is None else x.grad_fn
+        assert "TridiagonalSolve" in node.name()
     grads = torch.autograd.grad(squared(x), args)
     assert calls == {"cpp": 2, "lapack": 0}
     assert_grads_match_dense(grads, args, squared, dtype)
@@ -384,16 +387,19 @@ def test_errors_and_inputs_on_the_kernel(calls):
     assert calls == {"cpp": 4, "lapack": 0}
 
 
-def test_one_large_system_stays_on_lapack(calls):
-    """One system of n > CPP_ONE_SYSTEM_MAX_N goes to LAPACK, one of n = CPP_ONE_SYSTEM_MAX_N
-    and a batch of two larger ones to the C++ kernel."""
-    args = make_system(kernels.CPP_ONE_SYSTEM_MAX_N + 1, seed=51)
-    tridiagonal_solve(*args)
+def test_one_large_complex_system_stays_on_lapack(calls):
+    """One complex system of n > CPP_ONE_COMPLEX_SYSTEM_MAX_N goes to LAPACK; one of
+    n = CPP_ONE_COMPLEX_SYSTEM_MAX_N, a batch of two larger ones and one large real system (the
+    speculative solve) to the C++ kernel."""
+    top = kernels.CPP_ONE_COMPLEX_SYSTEM_MAX_N
+    tridiagonal_solve(*make_system(top + 1, dtype=torch.complex128, seed=51))
     assert calls == {"cpp": 0, "lapack": 1}
-    tridiagonal_solve(*make_system(kernels.CPP_ONE_SYSTEM_MAX_N, seed=51))
+    tridiagonal_solve(*make_system(top, dtype=torch.complex128, seed=51))
     assert calls == {"cpp": 1, "lapack": 1}
-    tridiagonal_solve(*make_system(kernels.CPP_ONE_SYSTEM_MAX_N + 1, (2,), seed=51))
+    tridiagonal_solve(*make_system(top + 1, (2,), dtype=torch.complex128, seed=51))
     assert calls == {"cpp": 2, "lapack": 1}
+    tridiagonal_solve(*make_system(10 * top, seed=51))
+    assert calls == {"cpp": 3, "lapack": 1}
 
 
 def test_compile_fullgraph_on_the_kernel(calls):
@@ -872,6 +878,57 @@ def test_fast_path_refusals_raise_the_typed_errors(args, error, message):
         tridiagonal_solve(*args)
 
 
+GRAD_CASES = [((), None, torch.float64), ((3,), None, torch.float32), ((2, 3), 2, torch.complex128),
+              ((), 4, torch.complex64), ((), None, torch.float64, 1030)]
+
+
+@pytest.mark.parametrize("case", GRAD_CASES, ids=str)
+def test_fast_path_with_gradients_runs_cpp_solve(monkeypatch, no_python_validation, case):
+    """A gradient asked for, nothing else observing the call: ops._CppSolve, the C++ op forward
+    and once more (with A^H) in the backward, no Python validation; the four gradients equal the
+    dense solve's (also for a system on the speculative solve, n = 1030), and only the gradients
+    asked for are formed."""
+    batch, k, dtype, *size = case
+    n = size[0] if size else 9
+    calls = []
+    real_solve = compiled.solve
+    monkeypatch.setattr(compiled, "solve", lambda *a: calls.append(1) or real_solve(*a))
+    args = make_system(n, batch, k, dtype=dtype, seed=75, requires_grad=True)
+    x = tridiagonal_solve(*args)
+    assert type(x.grad_fn).__name__ == "_CppSolveBackward" and len(calls) == 1
+    w = torch.randn(x.shape, generator=torch.Generator().manual_seed(76), dtype=dtype)
+
+    def loss(x):
+        return (x * w).real.sum() if dtype.is_complex else (x * w).sum()
+
+    grads = torch.autograd.grad(loss(x), args)
+    assert len(calls) == 2
+    assert_grads_match_dense(grads, args, loss, dtype)
+    only_rhs = [t.detach() for t in args[:3]] + [args[3]]
+    (g,) = torch.autograd.grad(loss(tridiagonal_solve(*only_rhs)), [args[3]])
+    assert_close(g, grads[3])
+
+
+def test_fast_path_with_gradients_composes(no_python_validation):
+    """ops._CppSolve's backward, differentiated again (gradgradcheck, create_graph=True) and
+    vmapped by torch.autograd.functional.jacobian(vectorize=True): the general path's
+    differentiable rules take over there."""
+    args = make_system(6, (2,), 2, seed=77, requires_grad=True)
+    assert type(tridiagonal_solve(*args).grad_fn).__name__ == "_CppSolveBackward"
+    assert gradcheck(tridiagonal_solve, args)
+    assert gradgradcheck(tridiagonal_solve, args)
+    lower, diag, upper, rhs = (t.detach() for t in args)
+    jac = torch.autograd.functional.jacobian(
+        lambda d: tridiagonal_solve(lower, d, upper, rhs), diag, vectorize=True)
+    dense = torch.autograd.functional.jacobian(lambda d: dense_solve(lower, d, upper, rhs), diag)
+    assert_close(jac, dense)
+    hess = torch.autograd.functional.hessian(
+        lambda d: tridiagonal_solve(lower, d, upper, rhs).square().sum(), diag)
+    dense_hess = torch.autograd.functional.hessian(
+        lambda d: dense_solve(lower, d, upper, rhs).square().sum(), diag)
+    assert_close(hess, dense_hess)
+
+
 def test_fast_path_singular_matrix_error(no_python_validation):
     lower, diag, upper, rhs = make_system(6, (2, 3), seed=72)
     diag[1, 2, 0], lower[1, 2, 0] = 0.0, 0.0
@@ -881,9 +938,10 @@ def test_fast_path_singular_matrix_error(no_python_validation):
 
 
 def test_fast_path_is_skipped_where_it_does_not_apply(monkeypatch):
-    """Gradients asked for, broadcasting, a named driver, forward-mode AD, a transform, a mode, a
-    tensor subclass and one system above the C++ threshold take the general path; plain tensors
-    under inference mode take the fast path."""
+    """Broadcasting, a named driver, forward-mode AD, a transform, a mode, a tensor subclass and
+    one complex system above the C++ threshold take the general path; plain tensors, under
+    inference mode or asking for a gradient (then through ops._CppSolve), and one large real
+    system, take the fast path."""
     require_cpp()
     taken = []
     real = ops._solve_on_cpp
@@ -900,7 +958,7 @@ def test_fast_path_is_skipped_where_it_does_not_apply(monkeypatch):
     with torch.inference_mode():
         assert took(lambda: tridiagonal_solve(lower, diag, upper, rhs)) == [True]
     grad_diag = diag.clone().requires_grad_()
-    assert took(lambda: tridiagonal_solve(lower, grad_diag, upper, rhs)) == [False]
+    assert took(lambda: tridiagonal_solve(lower, grad_diag, upper, rhs)) == [True]
     with torch.no_grad():
         assert took(lambda: tridiagonal_solve(lower, grad_diag, upper, rhs)) == [True]
     assert took(lambda: tridiagonal_solve(lower[:1], diag, upper, rhs)) == [False]
@@ -916,5 +974,7 @@ def test_fast_path_is_skipped_where_it_does_not_apply(monkeypatch):
     class Sub(torch.Tensor):
         pass
     assert took(lambda: tridiagonal_solve(lower, diag.as_subclass(Sub), upper, rhs)) == [False]
-    big = make_system(kernels.CPP_ONE_SYSTEM_MAX_N + 1, seed=74)
+    big = make_system(kernels.CPP_ONE_COMPLEX_SYSTEM_MAX_N + 1, dtype=torch.complex128, seed=74)
     assert took(lambda: tridiagonal_solve(*big)) == [False]
+    big_real = make_system(kernels.CPP_ONE_COMPLEX_SYSTEM_MAX_N + 1, seed=74)
+    assert took(lambda: tridiagonal_solve(*big_real)) == [True]

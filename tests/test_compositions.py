@@ -47,9 +47,11 @@ KERNEL_ENTRIES = {
     "partitioned": [(partitioned, "solve")],
 }
 # What driver=None runs on the CPU for one system (the spec of kernels.choose_driver): the C++
-# kernel, where it was built, up to CPP_ONE_SYSTEM_MAX_N unknowns; LAPACK above.
+# kernel, where it was built, for a real system of any size (from compiled.SPECULATIVE_MIN_N
+# unknowns its speculative solve) and for a complex one up to CPP_ONE_COMPLEX_SYSTEM_MAX_N
+# unknowns; LAPACK for a larger complex one.
 AUTO_ONE_SMALL_SYSTEM = "cpp" if kernels.cpp_available() else "lapack"
-BIG = kernels.CPP_ONE_SYSTEM_MAX_N + 1
+BIG = kernels.CPP_ONE_COMPLEX_SYSTEM_MAX_N + 1
 
 
 class KernelSpy:
@@ -307,21 +309,26 @@ def test_compiled_function_follows_the_driver_it_is_given(monkeypatch, backend, 
 @pytest.mark.parametrize("dynamic", [None, True, False],
                          ids=["automatic-dynamic", "dynamic", "static"])
 def test_compiled_automatic_choice_follows_the_shapes(monkeypatch, dynamic):
-    """driver=None inside a compiled function: compiled for one system of n = 5 (the C++
-    kernel), then called with shapes that change the automatic choice (one system of
-    n = 5000 or just above CPP_ONE_SYSTEM_MAX_N: LAPACK; a batch of two such systems: the C++
-    kernel), it runs the kernel each shape gets: Dynamo guards on what the choice read."""
+    """driver=None inside a compiled function: compiled for one complex system of n = 5 (the
+    C++ kernel), then called with shapes that change the automatic choice (one complex system of
+    n = 5000 or just above CPP_ONE_COMPLEX_SYSTEM_MAX_N: LAPACK; a batch of two such systems: the
+    C++ kernel), it runs the kernel each shape gets: Dynamo guards on what the choice read. Real
+    systems run on the C++ kernel at every size (its speculative solve from
+    SPECULATIVE_MIN_N unknowns is inside the kernel): no shape changes their kernel."""
     require_cpp()
     spy = KernelSpy(monkeypatch)
     f = torch.compile(lambda l, d, u, b: tridiagonal_solve(l, d, u, b), backend="aot_eager",
                       dynamic=dynamic)
-    top = kernels.CPP_ONE_SYSTEM_MAX_N
-    for n, batch, expected in [(5, (), "cpp"), (5000, (), "lapack"), (5000, (2,), "cpp"),
-                               (top, (), "cpp"), (top + 1, (), "lapack"), (7, (), "cpp"),
-                               (top + 1, (2,), "cpp")]:
-        lower, diag, upper, rhs = make_system(n, batch, seed=n, dominant=True)
+    top = kernels.CPP_ONE_COMPLEX_SYSTEM_MAX_N
+    c128, f64 = torch.complex128, torch.float64
+    for n, batch, dtype, expected in [
+            (5, (), c128, "cpp"), (5000, (), c128, "lapack"), (5000, (2,), c128, "cpp"),
+            (top, (), c128, "cpp"), (top + 1, (), c128, "lapack"), (7, (), c128, "cpp"),
+            (top + 1, (2,), c128, "cpp"), (5, (), f64, "cpp"), (5000, (), f64, "cpp"),
+            (top + 1, (), f64, "cpp")]:
+        lower, diag, upper, rhs = make_system(n, batch, dtype=dtype, seed=n, dominant=True)
         x = f(lower, diag, upper, rhs)
-        assert spy.take() == [expected], (n, batch)
+        assert spy.take() == [expected], (n, batch, dtype)
         torch.testing.assert_close(tridiag_matmul(lower, diag, upper, x.unsqueeze(-1)).squeeze(-1),
                                    rhs, rtol=1e-10, atol=1e-10)
 
@@ -367,8 +374,8 @@ def _factored_on(driver):
     return solve
 
 
-# (path, driver, n): every driver, and driver=None on both sides of CPP_ONE_SYSTEM_MAX_N; the
-# torch-op kernels on both sides of PARTITIONED_MIN_N.
+# (path, driver, n): every driver, and driver=None on both sides of the C++ kernel's
+# SPECULATIVE_MIN_N (BIG is above it); the torch-op kernels on both sides of PARTITIONED_MIN_N.
 CHECKPOINTED = [("solve", "lapack", 5), ("solve", "cpp", 5), ("solve", "sequential", 5),
                 ("solve", "sequential", 100), ("solve", "partitioned", 5),
                 ("solve", "partitioned", 100), ("solve", None, 5), ("solve", None, BIG),
@@ -391,7 +398,7 @@ def test_checkpoint_recomputes_on_the_forwards_kernel(monkeypatch, path, driver,
     spy = KernelSpy(monkeypatch)
     if path == "solve":
         solve = functools.partial(tridiagonal_solve, driver=driver)
-        expected = driver or (AUTO_ONE_SMALL_SYSTEM if n < BIG else "lapack")
+        expected = driver or AUTO_ONE_SMALL_SYSTEM  # a real system: any size
     else:
         solve = _factored_on(driver)
         expected = driver or "lapack"

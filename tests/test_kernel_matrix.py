@@ -5,18 +5,22 @@ in torch ops and the partitioned one, at sizes on both sides of every threshold 
 choice.
 
 ``driver=None`` (``tridiag_tutorial.kernels.choose_driver``) runs, on the CPU, the C++ kernel for
-batches of >= 2 systems and for one system of n <= ``CPP_ONE_SYSTEM_MAX_N`` = 3000, LAPACK above;
-on other devices the partitioned kernel for n >= ``PARTITIONED_MIN_N`` = 64, the sequential one
-below. A driver named explicitly runs whatever the size, so each kernel's sizes include one on each
-side of these thresholds; the ``route`` tests check that the kernel named (or chosen) really ran,
-forward and backward. The slow compile modes run at one size per kernel. Factoring runs on
+batches of >= 2 systems, for one real system of any size and for one complex system of
+n <= ``CPP_ONE_COMPLEX_SYSTEM_MAX_N`` = 3000, LAPACK for a larger complex one; on other devices the
+partitioned kernel for n >= ``PARTITIONED_MIN_N`` = 64, the sequential one below. Inside the C++
+kernel, one real system (or each of a batch smaller than a block) of n >= ``SPECULATIVE_MIN_N`` =
+1024 goes to its speculative solve, a route of its own: the "cpp" and automatic columns have a
+size on each side of it. A driver named explicitly runs whatever the size, so each kernel's sizes
+include one on each side of these thresholds; the ``route`` tests check that the kernel named (or
+chosen) really ran, forward and backward. The slow compile modes run at one size per kernel.
+Factoring runs on
 LAPACK or the sequential kernel only (``kernels.FACTOR_DRIVERS``): the factorization tests of the
 C++ and partitioned kernels use the factor driver their solves stand beside.
 
 ``driver=None`` is a column of the matrix too (``"auto"`` in the test ids): on the CPU it is its
 own route, ``ops._solve_on_cpp`` (the C++ op called without the Python validation, which it
-repeats only where the op refuses the inputs), up to n = 3000 and for batches, and the general
-path to LAPACK above.
+repeats only where the op refuses the inputs), and the general path to LAPACK for one complex
+system above n = 3000.
 """
 
 import functools
@@ -29,6 +33,7 @@ from torch.autograd import forward_ad as fwAD
 from torch.autograd import gradcheck, gradgradcheck
 
 from tridiag_tutorial import (
+    compiled,
     dense_solve,
     kernels,
     lapack,
@@ -39,18 +44,21 @@ from tridiag_tutorial import (
 
 from conftest import KERNELS, make_system, require_cpp
 
-BIG = kernels.CPP_ONE_SYSTEM_MAX_N + 1
+BIG = kernels.CPP_ONE_COMPLEX_SYSTEM_MAX_N + 1  # one complex system this large: LAPACK
+SPEC = compiled.SPECULATIVE_MIN_N  # one real system this large: the speculative solve
 PMIN = kernels.PARTITIONED_MIN_N
 # (n, batch) per kernel: both sides of the thresholds of the automatic choice.
 SIZES = {
     "lapack": [(5, ()), (PMIN + 6, (3,))],
-    "cpp": [(5, ()), (PMIN + 6, (3,)), (2, (2,))],           # one system n <= 3000, a batch
+    "cpp": [(5, ()), (PMIN + 6, (3,)), (2, (2,)),            # sequential elimination, a batch
+            (SPEC + 6, ())],                                 # the speculative solve
     "sequential": [(5, ()), (PMIN + 6, (2,))],               # n >= 64: named, not chosen
     "partitioned": [(5, ()), (PMIN, ()), (PMIN + 6, (2,))],  # n < 64: named, not chosen
 }
-# driver=None: the C++ fast path (one system, a batch); above n = 3000 one system runs the general
-# path to LAPACK, the "lapack" column's route (test_route_of_the_automatic_choice checks which).
-SIZES[None] = [(5, ()), (2, (2,)), (PMIN + 6, (3,))]
+# driver=None: the C++ fast path (one system, a batch, one system on the speculative solve); one
+# complex system above n = 3000 runs the general path to LAPACK, the "lapack" column's route
+# (test_route_of_the_automatic_choice checks which).
+SIZES[None] = [(5, ()), (2, (2,)), (PMIN + 6, (3,)), (SPEC + 6, ())]
 COMPILE_SIZE = {"lapack": (5, ()), "cpp": (5, (2,)), "sequential": (5, ()),
                 "partitioned": (PMIN + 6, ())}
 # The factorization beside each solve driver: LAPACK's on the CPU kernels, the sequential
@@ -115,7 +123,11 @@ def factored_on(driver):
 def run_composition(mode, name, args, driver):
     lower, diag, upper, rhs = args
     run = comp.MODES[mode](comp.cases(on(driver), lower, diag, upper, rhs)[name])
-    reference = comp.cases(comp.dense, lower, diag, upper, rhs)[name]
+    # The reference: the dense solve; at the speculative solve's sizes, where the dense
+    # transforms would need gigabytes (a hessian vmaps the dense solve over n matrices n x n),
+    # the same composition on LAPACK's kernel, which the dense reference checks at the others.
+    reference_solve = comp.dense if diag.shape[-1] < SPEC else on("lapack")
+    reference = comp.cases(reference_solve, lower, diag, upper, rhs)[name]
     expected = comp.EXPECTED[mode].get(name, "ok")
     if expected == "ok":
         out = run()
@@ -166,33 +178,38 @@ def test_route(sized, monkeypatch):
     assert spy.take() == [name]
 
 
-# driver=None on the CPU, on both sides of CPP_ONE_SYSTEM_MAX_N: (n, batch, kernel).
-AUTOMATIC = [(5, (), "cpp"), (BIG - 1, (), "cpp"), (BIG, (), "lapack"), (BIG, (2,), "cpp"),
-             (2, (2,), "cpp")]
+# driver=None on the CPU, on both sides of CPP_ONE_COMPLEX_SYSTEM_MAX_N and SPECULATIVE_MIN_N:
+# (n, batch, dtype, kernel).
+AUTOMATIC = [(5, (), torch.float64, "cpp"), (SPEC - 1, (), torch.float64, "cpp"),
+             (SPEC, (), torch.float32, "cpp"), (BIG, (), torch.float64, "cpp"),
+             (10**5, (), torch.float64, "cpp"), (BIG - 1, (), torch.complex128, "cpp"),
+             (BIG, (), torch.complex128, "lapack"), (BIG, (), torch.complex64, "lapack"),
+             (BIG, (2,), torch.complex128, "cpp"), (2, (2,), torch.float64, "cpp")]
 
 
-@pytest.mark.parametrize("n, batch, expected", AUTOMATIC,
-                         ids=[f"n{n}-b{len(b) and b[0]}" for n, b, _ in AUTOMATIC])
-def test_route_of_the_automatic_choice(monkeypatch, n, batch, expected):
-    """driver=None on CPU tensors: the C++ kernel for a batch and for one system of n <= 3000,
-    LAPACK for one larger system; the backward solves on the same kernel."""
+@pytest.mark.parametrize("n, batch, dtype, expected", AUTOMATIC,
+                         ids=[f"n{n}-b{len(b) and b[0]}-{str(d)[6:]}" for n, b, d, _ in AUTOMATIC])
+def test_route_of_the_automatic_choice(monkeypatch, n, batch, dtype, expected):
+    """driver=None on CPU tensors: the C++ kernel for a batch, for one real system of any size
+    and for one complex system of n <= 3000, LAPACK for one larger complex system; the backward
+    solves on the same kernel."""
     if expected == "cpp":
         require_cpp()
-    args = make_system(n, batch, seed=2, dominant=True, requires_grad=True)
+    args = make_system(n, batch, dtype=dtype, seed=2, dominant=True, requires_grad=True)
     expected_x = lapack_reference(*(t.detach() for t in args[:3]), args[3].detach().unsqueeze(-1))
     spy = comp.KernelSpy(monkeypatch)
     x = tridiagonal_solve(*args)
     assert spy.take() == [expected]
     torch.testing.assert_close(x, expected_x.squeeze(-1), rtol=1e-10, atol=1e-12)
-    x.sum().backward()
+    x.abs().square().sum().backward()
     assert spy.take() == [expected]
 
 
 def test_one_system_above_the_cpp_threshold_runs_cpp_when_named(monkeypatch):
-    """n = 3001, one system, driver="cpp": the C++ kernel (the threshold is the automatic
+    """n = 3001, one complex system, driver="cpp": the C++ kernel (the threshold is the automatic
     choice's, not a limit of the kernel)."""
     require_cpp()
-    args = make_system(BIG, seed=2, dominant=True)
+    args = make_system(BIG, dtype=torch.complex128, seed=2, dominant=True)
     expected = lapack_reference(*args[:3], args[3].unsqueeze(-1)).squeeze(-1)
     spy = comp.KernelSpy(monkeypatch)
     x = tridiagonal_solve(*args, driver="cpp")
@@ -204,7 +221,9 @@ def test_gradcheck(sized):
     driver, n, batch = sized
     if driver == "partitioned" and batch:
         pytest.skip("finite differences cost 20 s here; the partitioned kernel is checked at n = 64")
-    n = min(n, PMIN + 1) if driver == "partitioned" else min(n, 12)  # finite differences
+    # finite differences: small systems, on the kernel's side of its thresholds (the speculative
+    # solve's from n = SPEC: about 6 s here)
+    n = min(n, PMIN + 1) if driver == "partitioned" else SPEC if n >= SPEC else min(n, 12)
     args = make_system(n, batch, k=2, seed=3, requires_grad=True)
     assert gradcheck(on(driver), args, check_batched_grad=True, check_forward_ad=True)
 
@@ -213,9 +232,11 @@ def test_gradgradcheck(sized):
     driver, n, batch = sized
     if driver == "partitioned" and batch:
         pytest.skip("finite differences cost 20 s here; the partitioned kernel is checked at n = 64")
-    n = min(n, PMIN + 1) if driver == "partitioned" else min(n, 8)
+    n = min(n, PMIN + 1) if driver == "partitioned" else SPEC if n >= SPEC else min(n, 8)
     args = make_system(n, batch, seed=4, requires_grad=True)
-    assert gradgradcheck(on(driver), args)
+    # at n = SPEC a full second-order check would take minutes: gradcheck's fast mode (a random
+    # projection of the Jacobian, against finite differences all the same)
+    assert gradgradcheck(on(driver), args, fast_mode=n >= SPEC)
 
 
 def test_singular_raises(sized):

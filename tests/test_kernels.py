@@ -55,43 +55,63 @@ def numpy_args(*tensors):
 # The automatic choice (driver=None): kernels.choose_driver against its documented rule.
 # ---------------------------------------------------------------------------------------------
 # Written out by hand from choose_driver's docstring, not computed by it: on the CPU the C++
-# kernel, where installed, for every batch of two or more systems and for one system of
-# n <= CPP_ONE_SYSTEM_MAX_N = 3000, LAPACK otherwise; on every other device the partitioned
-# kernel for n >= PARTITIONED_MIN_N = 64, the sequential one below. No rule reads the dtype, so
-# one row holds for all four.
+# kernel, where installed, for every batch of two or more systems, for one real system of any
+# size and for one complex system of n <= CPP_ONE_COMPLEX_SYSTEM_MAX_N = 3000, LAPACK otherwise;
+# on every other device the partitioned kernel for n >= PARTITIONED_MIN_N = 64, the sequential
+# one below. Only the kind of dtype (real or complex) is read: each row holds for both dtypes of
+# its kind.
 EXPECTED_CHOICE = """
-device  cpp    batch   n=1         n=63        n=64         n=3000       n=3001
-cpu     True   1       cpp         cpp         cpp          cpp          lapack
-cpu     True   2       cpp         cpp         cpp          cpp          cpp
-cpu     True   1000    cpp         cpp         cpp          cpp          cpp
-cpu     False  1       lapack      lapack      lapack       lapack       lapack
-cpu     False  2       lapack      lapack      lapack       lapack       lapack
-cpu     False  1000    lapack      lapack      lapack       lapack       lapack
-cuda    True   1       sequential  sequential  partitioned  partitioned  partitioned
-cuda    True   2       sequential  sequential  partitioned  partitioned  partitioned
-cuda    True   1000    sequential  sequential  partitioned  partitioned  partitioned
-cuda    False  1       sequential  sequential  partitioned  partitioned  partitioned
-cuda    False  2       sequential  sequential  partitioned  partitioned  partitioned
-cuda    False  1000    sequential  sequential  partitioned  partitioned  partitioned
-mps     True   1       sequential  sequential  partitioned  partitioned  partitioned
-mps     True   2       sequential  sequential  partitioned  partitioned  partitioned
-mps     True   1000    sequential  sequential  partitioned  partitioned  partitioned
-mps     False  1       sequential  sequential  partitioned  partitioned  partitioned
-mps     False  2       sequential  sequential  partitioned  partitioned  partitioned
-mps     False  1000    sequential  sequential  partitioned  partitioned  partitioned
+device  cpp    batch   kind    n=1         n=63        n=64        n=3000      n=3001
+cpu     True   1       real    cpp         cpp         cpp         cpp         cpp
+cpu     True   1       complex cpp         cpp         cpp         cpp         lapack
+cpu     True   2       real    cpp         cpp         cpp         cpp         cpp
+cpu     True   2       complex cpp         cpp         cpp         cpp         cpp
+cpu     True   1000    real    cpp         cpp         cpp         cpp         cpp
+cpu     True   1000    complex cpp         cpp         cpp         cpp         cpp
+cpu     False  1       real    lapack      lapack      lapack      lapack      lapack
+cpu     False  1       complex lapack      lapack      lapack      lapack      lapack
+cpu     False  2       real    lapack      lapack      lapack      lapack      lapack
+cpu     False  2       complex lapack      lapack      lapack      lapack      lapack
+cpu     False  1000    real    lapack      lapack      lapack      lapack      lapack
+cpu     False  1000    complex lapack      lapack      lapack      lapack      lapack
+cuda    True   1       real    sequential  sequential  partitioned partitioned partitioned
+cuda    True   1       complex sequential  sequential  partitioned partitioned partitioned
+cuda    True   2       real    sequential  sequential  partitioned partitioned partitioned
+cuda    True   2       complex sequential  sequential  partitioned partitioned partitioned
+cuda    True   1000    real    sequential  sequential  partitioned partitioned partitioned
+cuda    True   1000    complex sequential  sequential  partitioned partitioned partitioned
+cuda    False  1       real    sequential  sequential  partitioned partitioned partitioned
+cuda    False  1       complex sequential  sequential  partitioned partitioned partitioned
+cuda    False  2       real    sequential  sequential  partitioned partitioned partitioned
+cuda    False  2       complex sequential  sequential  partitioned partitioned partitioned
+cuda    False  1000    real    sequential  sequential  partitioned partitioned partitioned
+cuda    False  1000    complex sequential  sequential  partitioned partitioned partitioned
+mps     True   1       real    sequential  sequential  partitioned partitioned partitioned
+mps     True   1       complex sequential  sequential  partitioned partitioned partitioned
+mps     True   2       real    sequential  sequential  partitioned partitioned partitioned
+mps     True   2       complex sequential  sequential  partitioned partitioned partitioned
+mps     True   1000    real    sequential  sequential  partitioned partitioned partitioned
+mps     True   1000    complex sequential  sequential  partitioned partitioned partitioned
+mps     False  1       real    sequential  sequential  partitioned partitioned partitioned
+mps     False  1       complex sequential  sequential  partitioned partitioned partitioned
+mps     False  2       real    sequential  sequential  partitioned partitioned partitioned
+mps     False  2       complex sequential  sequential  partitioned partitioned partitioned
+mps     False  1000    real    sequential  sequential  partitioned partitioned partitioned
+mps     False  1000    complex sequential  sequential  partitioned partitioned partitioned
 """
 
 
 def expected_choices():
-    """``{(device, cpp, batch, n): driver}`` from the table above."""
+    """``{(device, cpp, batch, kind, n): driver}`` from the table above."""
     header, *rows = EXPECTED_CHOICE.strip().splitlines()
-    sizes = [int(column[2:]) for column in header.split()[3:]]
+    sizes = [int(column[2:]) for column in header.split()[4:]]
     table = {}
     for row in rows:
-        device, cpp, batch, *drivers = row.split()
+        device, cpp, batch, kind, *drivers = row.split()
         assert len(drivers) == len(sizes) and cpp in ("True", "False")
+        assert kind in ("real", "complex")
         for n, driver in zip(sizes, drivers):
-            table[device, cpp == "True", int(batch), n] = driver
+            table[device, cpp == "True", int(batch), kind, n] = driver
     return table
 
 
@@ -99,24 +119,26 @@ CHOICES = expected_choices()
 
 
 def test_the_expected_table_is_complete():
-    """Every device, installed or not, batch 1 / 2 / 1000 and n = 1, 63, 64, 3000, 3001; only
-    names of kernels.DRIVERS."""
-    assert len(CHOICES) == 3 * 2 * 3 * 5
+    """Every device, installed or not, batch 1 / 2 / 1000, real and complex, and n = 1, 63, 64,
+    3000, 3001; only names of kernels.DRIVERS."""
+    assert len(CHOICES) == 3 * 2 * 3 * 2 * 5
     assert set(CHOICES.values()) <= set(kernels.DRIVERS)
 
 
 @pytest.mark.parametrize("dtype", ALL_DTYPES, ids=str)
 @pytest.mark.parametrize("device", ["cpu", "cuda", "mps"])
 def test_choose_driver_follows_the_documented_rule(device, dtype):
-    wrong = [(key, expected, got) for key, expected in CHOICES.items() if key[0] == device
-             for got in [kernels.choose_driver(device, dtype, key[2], key[3], key[1])]
+    kind = "complex" if dtype.is_complex else "real"
+    wrong = [(key, expected, got) for key, expected in CHOICES.items()
+             if key[0] == device and key[3] == kind
+             for got in [kernels.choose_driver(device, dtype, key[2], key[4], key[1])]
              if got != expected]
-    assert not wrong, f"(device, cpp, batch, n), expected, got: {wrong}"
+    assert not wrong, f"(device, cpp, batch, kind, n), expected, got: {wrong}"
 
 
 def test_the_documented_thresholds():
     """The table's columns sit on either side of the constants the docstring names."""
-    assert kernels.CPP_ONE_SYSTEM_MAX_N == 3000
+    assert kernels.CPP_ONE_COMPLEX_SYSTEM_MAX_N == 3000
     assert kernels.PARTITIONED_MIN_N == 64
 
 
@@ -133,10 +155,11 @@ def test_resolve_driver_none_is_the_automatic_choice_of_the_shape(monkeypatch):
     for cpp in (True, False):
         monkeypatch.setattr(kernels, "_CPP", cpp)
         for batch, n in ((1, 3001), (2, 3001), (1, 63), (1000, 64)):
-            shape = (batch // 2, 2) if batch > 1 else ()
-            rhs = torch.empty(*shape, n, 3, dtype=torch.float64)
-            expected = CHOICES["cpu", cpp, batch, n]
-            assert kernels.resolve_driver(None, rhs) == expected, (cpp, batch, n)
+            for dtype, kind in ((torch.float64, "real"), (torch.complex128, "complex")):
+                shape = (batch // 2, 2) if batch > 1 else ()
+                rhs = torch.empty(*shape, n, 3, dtype=dtype)
+                expected = CHOICES["cpu", cpp, batch, kind, n]
+                assert kernels.resolve_driver(None, rhs) == expected, (cpp, batch, n, kind)
     meta = torch.empty(2, 5, 64, 1, device="meta")
     assert kernels.resolve_driver(None, meta) == "partitioned"
     assert kernels.resolve_factor_driver(None, torch.device("cpu"), "f") == "lapack"

@@ -1,6 +1,7 @@
 """The speculative C++ kernel for one large real system (csrc/tridiag.cpp, ``solve_speculative``;
-``compiled.solve_ex``, the op ``cpp_solve_ex``; the package's automatic choice does not use it
-yet): its answer is SciPy's ?gtsv bit for bit, and the sequential kernel's (``cpp_solve``), on
+``cpp_solve`` and so ``driver=None`` from ``SPECULATIVE_MIN_N`` unknowns, ``compiled.solve_ex``
+and the op ``cpp_solve_ex`` from any size): its answer is SciPy's ?gtsv bit for bit, and the
+sequential kernel's, on
 matrices that pivot rarely, often and at every step, on badly scaled rows, near-singular blocks
 across piece boundaries and signed zeros, on both sides of ``SPECULATIVE_MIN_N``; the fallback
 count; singular matrices (?gtsv's pivot, at a piece boundary or the last row); NaN and infinity;
@@ -165,8 +166,8 @@ CASES = [(family, n) for family in FAMILIES for n in SIZES] + [("dominant", 100_
 @pytest.mark.parametrize("dtype", REAL_DTYPES, ids=str)
 @pytest.mark.parametrize("family, n", CASES)
 def test_matches_lapack_bit_for_bit(family, n, dtype, k):
-    """The speculative kernel from SPECULATIVE_MIN_N and forced at every size, and the
-    sequential kernel (cpp_solve, and solve_ex without the speculative kernel) all return
+    """The speculative kernel from SPECULATIVE_MIN_N (cpp_solve, solve_ex's default) and forced
+    at every size, and the sequential kernel (solve_ex without the speculative kernel) all return
     ?gtsv's bits; where ?gtsv reports a zero pivot, each raises at its pivot."""
     args = make_family(family, n, dtype, k, seed=n + FAMILIES.index(family))
     expected, info = gtsv(*args)
@@ -225,6 +226,38 @@ def test_forced_on_small_systems_equals_sequential(n, family, dtype):
         assert fallbacks == 1
     assert_same_bits(x, sequential, f"{family}, n={n}, {dtype}")
     assert_same_bits(sequential, expected, f"{family}, n={n}, {dtype}")
+
+
+@pytest.mark.parametrize("dtype", REAL_DTYPES, ids=str)
+@pytest.mark.parametrize("n", [10_007, 100_003])
+@pytest.mark.parametrize("margin", [1e-1, 1e-2, 1e-4, 0.0])
+def test_slowly_forgetting_matrices_match_lapack(dtype, n, margin):
+    """A matrix close to the 1-D Laplacian (diagonal 2 + margin, off-diagonals -1 times
+    1 + 0.01 N): elimination forgets its start slowly, or not at all for margin 0, so the
+    repairs run past the first and last 64 rows of a piece that the workspace keeps (the kernel
+    then solves again with every row kept) or through whole pieces. ?gtsv's bits all the same,
+    from cpp_solve (driver=None's kernel) and from tridiagonal_solve."""
+    g = torch.Generator().manual_seed(n)
+    off = [-(1 + 0.01 * torch.randn(n - 1, generator=g, dtype=torch.float64)) for _ in range(2)]
+    diag = torch.full((n,), 2.0 + margin, dtype=torch.float64)
+    rhs = torch.randn(n, generator=g, dtype=torch.float64)
+    args = [t.to(dtype) for t in (off[0], diag, off[1], rhs)]
+    expected, info = gtsv(*args)
+    assert info == 0
+    assert_same_bits(T.cpp_solve(*args)[0], expected, f"cpp_solve, margin {margin}")
+    assert_same_bits(tridiagonal_solve(*args), expected, f"tridiagonal_solve, margin {margin}")
+
+
+def test_cpp_solve_threshold_is_speculative_min_n():
+    """cpp_solve (driver=None's C++ kernel) sends a system to the speculative kernel from the
+    size that compiled.SPECULATIVE_MIN_N states: the C++ constant is the same number."""
+    source = os.path.join(os.path.dirname(compiled.__file__), "csrc", "tridiag.cpp")
+    if not os.path.exists(source):
+        pytest.skip("the C++ source is not installed beside the package")
+    with open(source) as f:
+        text = f.read()
+    assert f"constexpr int64_t kSpeculativeMinN = {compiled.SPECULATIVE_MIN_N};" in text
+    assert "cpp_solve_ex(lower, diag, upper, rhs, kSpeculativeMinN)" in text
 
 
 # ----------------------------------------------------------------------------------------------

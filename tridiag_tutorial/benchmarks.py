@@ -27,8 +27,8 @@ the systems of a batch), ``scipy.linalg.solve_banded``, JAX's ``jax.lax.linalg.t
 package never requires: ``pip install jax``), dense ``torch.linalg.solve`` (including assembling
 the matrix), the sequential pure-torch kernel (``driver="sequential"``), chapter 4's
 ``autograd.Function``, chapter 5's custom op and the final :func:`tridiag_tutorial.tridiagonal_solve`
-as installed (``driver=None``: on the CPU the C++ kernel for batches and for one system of
-``n <= kernels.CPP_ONE_SYSTEM_MAX_N``, LAPACK otherwise; see
+as installed (``driver=None``: on the CPU the C++ kernel, except for one complex system of
+``n > kernels.CPP_ONE_COMPLEX_SYSTEM_MAX_N``, which goes to LAPACK; see
 :func:`tridiag_tutorial.kernels.choose_driver`), and the final op with ``driver="lapack"`` and
 ``driver="cpp"``. Modes: ``forward`` and ``backward`` (forward plus the gradients of all four
 inputs), eager and ``torch.compile(fullgraph=True)``.
@@ -488,20 +488,24 @@ def run_time_stepping(cases=STEP_CASES, steps=STEPS, dtypes=(torch.float64,), th
 
 # The compiled kernel against LAPACK and JAX: forward only, float64, one right-hand side; each
 # case's implementations timed in alternation. JAX is timed when it is installed (never required).
+ONE_CHAIN = 2**62  # speculative_min_n that keeps every system on the interleaved elimination
 COMPILED_CASES = [(256, 1024), (64, 16384), (8, 100000), (10**5, 0), (10**6, 0)]  # (n, batch)
 
 
 def run_compiled_kernel(cases=COMPILED_CASES, threads=(1, None), min_time=0.2, repeats=15,
                         log=print):
-    """Time the compiled kernel (:func:`tridiag_tutorial.compiled.solve`: the op
-    ``torch.ops.tridiag_tutorial.cpp_solve`` built at install, and its check of ``info``), a
-    Python loop of raw ``dgtsv``, the joined ``lapack.solve`` and, if installed, JAX, forward
-    only, float64. Returns rows with ``seconds``, ``ns_per_unknown`` and ``ratio`` to the
+    """Time the compiled kernel's interleaved elimination (the op built at install,
+    ``torch.ops.tridiag_tutorial.cpp_solve_ex``, through :func:`tridiag_tutorial.compiled.solve_ex`
+    with the speculative solve off, so that one system is one chain: chapter 12 compares the
+    two), a Python loop of raw ``dgtsv``, the joined ``lapack.solve`` and, if installed, JAX,
+    forward only, float64. Returns rows with ``seconds``, ``ns_per_unknown`` and ``ratio`` to the
     ``dgtsv`` loop. Raises ``RuntimeError`` where the C++ kernel was not built."""
     from . import compiled, lapack
     if not compiled.is_available():
         raise RuntimeError(compiled._missing_message())
-    op = compiled.solve
+
+    def op(*matrix):
+        return compiled.solve_ex(*matrix, speculative_min_n=ONE_CHAIN)
     rows = []
     for actual in _each_thread_count(threads):
         for n, batch in cases:
@@ -909,9 +913,9 @@ SPECULATIVE = "C++ speculative kernel (compiled.solve_ex)"
 
 
 def _speculative_callable(args, mode):
-    """The C++ kernel's speculative solve (:func:`tridiag_tutorial.compiled.solve_ex`), which the
-    automatic choice does not use yet: forward, or forward + the four gradients as the final op
-    computes them (one more solve, with ``A^T``, and :func:`rules.band_gradients`)."""
+    """The C++ kernel's speculative solve (:func:`tridiag_tutorial.compiled.solve_ex`), called
+    directly, without the final op's dispatch: forward, or forward + the four gradients as the
+    final op computes them (one more solve, with ``A^T``, and :func:`rules.band_gradients`)."""
     lower, diag, upper, rhs = (a.unsqueeze(-1) if a is args[3] else a for a in args)
     if mode == "forward":
         return lambda: compiled.solve_ex(lower, diag, upper, rhs)
@@ -1066,11 +1070,13 @@ def _without_direct_kernel():
 
 
 def _with_function_apply():
-    """The final op applying its autograd.Function with plain ``_TridiagonalSolve.apply`` (which
-    binds the arguments to ``forward``'s signature with :mod:`inspect` on every call) instead of
-    ``_compat.function_apply``."""
+    """The final op without ``ops._solve_on_cpp`` (as :func:`_without_cpp_fast_path`: a call with
+    gradients then applies the general path's autograd.Function), applying that Function with
+    plain ``_TridiagonalSolve.apply`` (which binds the arguments to ``forward``'s signature with
+    :mod:`inspect` on every call) instead of ``_compat.function_apply``: compare its row with
+    the row without the C++ fast path."""
     from . import ops
-    return _patched(ops, _apply=lambda *args: ops._TridiagonalSolve.apply(*args))
+    return _patched(ops, _CPP=False, _apply=lambda *args: ops._TridiagonalSolve.apply(*args))
 
 
 # route -> (function, context factory or None, what the route's row tells)
@@ -1078,13 +1084,15 @@ ROUTES = {
     ROUTE_AS_INSTALLED: (tridiagonal_solve, None, "the final op, driver=None"),
     "without the C++ fast path": (
         tridiagonal_solve, _without_cpp_fast_path,
-        "justifies ops._solve_on_cpp (the C++ op checks the inputs; no Python validation)"),
+        "justifies ops._solve_on_cpp (the C++ op checks the inputs, no Python validation; with "
+        "gradients, ops._CppSolve)"),
     "without direct kernel calls": (
         tridiagonal_solve, _without_direct_kernel,
         "justifies ops._unobserved / ops._direct (kernels called without the dispatcher)"),
     "Function.apply instead of _compat.function_apply": (
         tridiagonal_solve, _with_function_apply,
-        "justifies _compat.function_apply (no inspect binding per call)"),
+        "justifies _compat.function_apply (no inspect binding per call): over the row without "
+        "the C++ fast path"),
     "ch4 autograd.Function": (
         tridiagonal_solve_function, None,
         "chapter 4's Function on LAPACK: the simplest differentiable solve"),

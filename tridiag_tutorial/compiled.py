@@ -16,9 +16,9 @@ chains of divisions, and blocks are spread over threads. Its results equal ``?gt
 bit, NaN included, and it reports a zero pivot exactly where ``?gtsv`` does
 (``tests/test_compiled.py`` checks both).
 
-:func:`solve_ex` (the op ``cpp_solve_ex``) sends one real system of ``n >= SPECULATIVE_MIN_N``
-unknowns (or each of a batch smaller than a block) to the *speculative* kernel instead; the
-package's automatic choice does not use it yet. The rows are cut into pieces of about 1024, the
+One real system of ``n >= SPECULATIVE_MIN_N`` unknowns (or each of a batch smaller than a block)
+goes to the *speculative* kernel instead (:func:`solve_ex`, the op ``cpp_solve_ex``, takes that
+size as an argument and says how often it fell back). The rows are cut into pieces of about 1024, the
 pieces are eliminated side by side (8 chains in flight in double precision, 16 in single, in
 AVX2 registers where the CPU has them), each starting as if the rows above it changed nothing,
 and a short repair then runs the true elimination from the piece above until it computes the
@@ -44,7 +44,7 @@ __all__ = ["is_available", "library_path", "solve", "solve_ex", "SPECULATIVE_MIN
 
 # From this size on the speculative kernel measured faster than the sequential one (one thread,
 # float64: 0.96 of its time at n = 700, 0.76 at 1000, 0.6 at 1500 to 3000; float32 0.81 at 1000,
-# 0.54 at 1500).
+# 0.54 at 1500). The C++ op cpp_solve uses the same number (kSpeculativeMinN in tridiag.cpp).
 SPECULATIVE_MIN_N = 1024
 
 try:

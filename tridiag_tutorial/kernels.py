@@ -32,14 +32,14 @@ from . import torch_kernel as _torch_kernel
 
 __all__ = ["DRIVERS", "FACTOR_DRIVERS", "cpp_available", "choose_driver", "choose_factor_driver",
            "resolve_driver", "resolve_factor_driver", "solve", "factor",
-           "CPP_ONE_SYSTEM_MAX_N", "PARTITIONED_MIN_N"]
+           "CPP_ONE_COMPLEX_SYSTEM_MAX_N", "PARTITIONED_MIN_N"]
 
 DRIVERS = ("lapack", "cpp", "sequential", "partitioned")
 FACTOR_DRIVERS = ("lapack", "sequential")  # the kernels that factor and solve from factors
 _CPU_ONLY = ("lapack", "cpp")
 
-CPP_ONE_SYSTEM_MAX_N = 3000  # measured: see choose_driver
-PARTITIONED_MIN_N = 64       # measured: see choose_driver
+CPP_ONE_COMPLEX_SYSTEM_MAX_N = 3000  # measured: see choose_driver
+PARTITIONED_MIN_N = 64               # measured: see choose_driver
 
 _CPP = compiled.is_available()  # fixed for the life of the process
 
@@ -56,13 +56,18 @@ def choose_driver(device_type: str, dtype: torch.dtype, batch: int, n: int, cpp:
     size and ``cpp`` whether the C++ kernel is installed. ``dtype`` is part of the signature
     because a kernel may one day pay for some dtypes only; today no rule depends on it.
 
-    - **CPU**: the C++ kernel, where installed, for every batch of two or more systems and for one
-      system of ``n <= CPP_ONE_SYSTEM_MAX_N``; LAPACK otherwise. Measured against this package's
-      LAPACK kernel (``python -m tridiag_tutorial.benchmarks``, one thread, every dtype, one and
-      four right-hand sides): 0.17 to 1.02 of LAPACK's time on batches of 2 to 64 systems of
-      n = 8 to 1000, 0.2 to 0.5 on batches of 1024 to 100000, 0.4 to 1.0 on one system of
-      n <= 3000 (the fixed cost of the call dominates); on one larger system within a few percent
-      of LAPACK in double precision and about 10% slower in float32, so that stays on LAPACK.
+    - **CPU**: the C++ kernel, where installed, for every batch of two or more systems, for one
+      real system of any size and for one complex system of ``n <= CPP_ONE_COMPLEX_SYSTEM_MAX_N``;
+      LAPACK otherwise. Measured against this package's LAPACK kernel (``python -m
+      tridiag_tutorial.benchmarks``, one thread, every dtype, one and four right-hand sides):
+      0.17 to 1.02 of LAPACK's time on batches of 2 to 64 systems of n = 8 to 1000, 0.2 to 0.5 on
+      batches of 1024 to 100000, 0.4 to 1.0 on one system of n <= 1000 (the fixed cost of the
+      call dominates). One real system of ``compiled.SPECULATIVE_MIN_N`` unknowns or more goes to
+      the kernel's speculative solve, which keeps many elimination chains of the one system in
+      flight: about 0.4 to 0.5 of raw ``?gtsv``'s time on one thread at n = 1e4 to 1e6
+      (``--one-system-only``; chapter 12). One complex system has no such solve: above 3000
+      unknowns the C++ kernel measured within 10% of LAPACK (0.9 to 1.0 of its time at
+      n = 1e4 and 1e5), so it stays on LAPACK.
     - **Every other device**: the partitioned kernel for ``n >= PARTITIONED_MIN_N``, the
       sequential one below. The sequential kernel dispatches about 37 operations per row, of which 7 are
       views (no kernel) and about 30 compute, each a kernel launch of several microseconds on a
@@ -71,9 +76,9 @@ def choose_driver(device_type: str, dtype: torch.dtype, batch: int, n: int, cpp:
       operation counts, not a GPU measurement.
     """
     if device_type == "cpu":
-        # n first: for small systems the batch size is not looked at, so a traced or exported
-        # graph does not guard on it
-        if cpp and (n <= CPP_ONE_SYSTEM_MAX_N or batch >= 2):
+        # the dtype and n first: for real dtypes and for small systems the batch size is not
+        # looked at, so a traced or exported graph does not guard on it
+        if cpp and (not dtype.is_complex or n <= CPP_ONE_COMPLEX_SYSTEM_MAX_N or batch >= 2):
             return "cpp"
         return "lapack"
     return "partitioned" if n >= PARTITIONED_MIN_N else "sequential"

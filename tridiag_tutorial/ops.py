@@ -509,15 +509,46 @@ def _solve(lower, diag, upper, rhs, lu, pivots, trans: str, driver: str) -> torc
 _CPP = kernels.cpp_available()  # the fast path's switch (the routes benchmark turns it off)
 
 
+class _CppSolve(torch.autograd.Function):
+    """The C++ kernel with reverse-mode autograd and nothing else, for :func:`_solve_on_cpp`: a
+    gradient is asked for, but no transform, forward-AD level or mode can see the call, so the
+    ``jvp`` and ``vmap`` rules of :class:`_TridiagonalSolve` are not needed, nor its factors,
+    ``trans`` or driver argument, nor the reshaping of a vector ``rhs`` (the op takes it as it
+    is). The backward solves with ``A^H`` on the same kernel and forms the band gradients; where
+    it is itself differentiated (``create_graph=True``) or runs under a transform
+    (``torch.autograd.functional.jacobian(..., vectorize=True)`` vmaps it), it takes the general
+    path's differentiable rules instead."""
+
+    @staticmethod
+    def forward(ctx, lower, diag, upper, rhs):
+        x = compiled.solve(lower, diag, upper, rhs)
+        ctx.save_for_backward(lower, diag, upper, x)
+        return x
+
+    @staticmethod
+    def backward(ctx, grad_x):
+        lower, diag, upper, x = ctx.saved_tensors
+        column = (lambda t: t.unsqueeze(-1)) if x.dim() == diag.dim() else (lambda t: t)
+        if torch.is_grad_enabled() or _compat.forward_ad_active() or not _direct(grad_x):
+            def solve(lower, diag, upper, rhs):  # differentiable, and it knows transforms
+                return _apply(lower, diag, upper, rhs, None, None, "N", "cpp")
+        else:
+            solve = compiled.solve
+        grads = _band_grads_and_rhs(solve, ctx.needs_input_grad[:3], lower, diag, upper,
+                                    column(x), column(grad_x))
+        return (*grads[:3], grads[3].reshape(x.shape))
+
+
 def _solve_on_cpp(lower, diag, upper, rhs):
     """:func:`tridiagonal_solve` with ``driver=None`` on the C++ kernel without the Python
-    validation, for a call that nothing but its result can observe: ``(x, None)``, or
+    validation, for a call that no transform, mode or compiler can observe: ``(x, None)``, or
     ``(None, driver)`` where that does not apply and the general path runs (``driver`` the
     automatic choice when it was made here, else ``None``).
 
-    It applies to plain CPU tensors of one batch shape (no broadcasting) when no gradient is asked
-    for, no transform, forward-AD level, mode, trace or compilation is active, and the automatic
-    choice is the C++ kernel. The C++ op checks everything that
+    It applies to plain CPU tensors of one batch shape (no broadcasting) when no transform,
+    forward-AD level, mode, trace or compilation is active, and the automatic choice is the C++
+    kernel. Without a gradient it calls the op; with one, :class:`_CppSolve`, the op with a
+    backward and nothing more. The C++ op checks everything that
     :func:`~tridiag_tutorial._validation.validate` checks before it reads a tensor; where it
     refuses the inputs, the general path validates them again and raises the typed error. At
     n = 100 the general path costs twice the fast one (chapter 11's routes table)."""
@@ -533,10 +564,11 @@ def _solve_on_cpp(lower, diag, upper, rhs):
             return None, None  # broadcasting, or inputs the general path refuses
         n = shape[-1]
         driver = kernels.choose_driver("cpu", diag.dtype, diag.numel() // n, n, True)
-        if driver != "cpp" or (torch.is_grad_enabled() and (
-                lower.requires_grad or diag.requires_grad or upper.requires_grad
-                or rhs.requires_grad)):
+        if driver != "cpp":
             return None, driver
+        if torch.is_grad_enabled() and (lower.requires_grad or diag.requires_grad
+                                        or upper.requires_grad or rhs.requires_grad):
+            return _CppSolve.apply(lower, diag, upper, rhs), None
         return compiled.solve(lower, diag, upper, rhs), None
     except SingularMatrixError:
         raise
@@ -577,9 +609,10 @@ def tridiagonal_solve(lower: torch.Tensor, diag: torch.Tensor, upper: torch.Tens
         RuntimeError: ``driver="cpp"`` where the C++ kernel was not built.
 
     With ``driver=None``, a CPU solve runs on the C++ kernel (the same arithmetic as LAPACK's
-    ``?gtsv``, on many systems at once) for batches and for one system of up to 3000 unknowns, and
-    on LAPACK ``?gtsv`` otherwise or where the C++ kernel was not built; a backward solves again
-    with ``A^H`` on the same kernel. On other devices kernels in torch ops run: for ``n < 64`` the
+    ``?gtsv``, bit for bit: on many systems at once, and one large real system cut into pieces
+    whose eliminations run side by side), except one complex system of more than 3000 unknowns,
+    and where the C++ kernel was not built: those run on LAPACK ``?gtsv``. A backward solves
+    again with ``A^H`` on the same kernel. On other devices kernels in torch ops run: for ``n < 64`` the
     sequential kernel (the same pivoting), which, when a backward will follow, factors once and
     lets the backward reuse the factors; for ``n >= 64`` the partitioned kernel
     (:mod:`tridiag_tutorial.partitioned`, O(log n) operations; it checks its answer and solves

@@ -51,10 +51,10 @@
 // where one system's elimination is a single chain that waits for each division. Blocks are
 // distributed over threads with torch::stable::parallel_for (at::parallel_for underneath); the
 // last block is padded with identity systems. Fewer than W systems (one large system, say) use
-// the same code with W = 1, each system solved in place in the output; or, through cpp_solve_ex,
-// real systems from a given size on go to the speculative kernel below, which cuts each system
-// into pieces and eliminates the pieces side by side, with the same operations and so the same
-// bits.
+// the same code with W = 1, each system solved in place in the output, up to kSpeculativeMinN
+// unknowns; from there on a real system goes to the speculative kernel below, which cuts it into
+// pieces and eliminates the pieces side by side, with the same operations and so the same bits
+// (cpp_solve_ex takes that size as an argument).
 //
 // A system is reported exactly where ?gtsv returns INFO > 0: dgtsv/sgtsv check for a zero pivot
 // only in the step without interchange (d[i] = 0 with |d[i]| >= |lower[i]|) and at d[n-1]; the
@@ -509,30 +509,38 @@ struct Lane<v8f> {
   static constexpr int32_t kMag = INT32_MAX;
 };
 
-// cpp_solve does not use the speculative kernel yet (the package's routing and its measurements
-// do not know it); cpp_solve_ex does, from the size its caller gives (compiled.SPECULATIVE_MIN_N:
-// from there on it measured faster than the sequential kernel).
-constexpr int64_t kNoSpeculative = std::numeric_limits<int64_t>::max();
+// cpp_solve sends a real system of kSpeculativeMinN unknowns or more (one, or each of fewer than
+// W) to the speculative kernel: from there on it measured faster than the sequential kernel
+// (compiled.SPECULATIVE_MIN_N is the same number). cpp_solve_ex takes the size as an argument.
+constexpr int64_t kSpeculativeMinN = 1024;
 constexpr int64_t kPieceRows = 1024;       // the target m (measured: 512 to 2048 within 15%)
 constexpr int64_t kMinPieceRows = 256;     // the least m when pieces are cut smaller for threads
 constexpr int64_t kCheckpoint = 8;
         // rows between two checkpoints of the forward state
+constexpr int64_t kEdge = 64;
+        // rows kept of each end of a piece (the repairs' reach) when pieces have 4 kEdge or more
 
 // One system (n rows, k right-hand sides; L, U n-1 and D n reals, B and X n x k row-major) and
 // the workspace of its pieces, in the side-by-side layout: piece q's row i at
-// ((q / W * m + i) * W + q % W) (times k, plus column j, for b and x).
+// ((q / W * kept + row(i)) * W + q % W) (times k, plus column j, for b and x).
+// The workspace keeps every row of each piece (edge = kept = m), or only its first and last
+// `edge` rows (kept = 2 edge): the repairs work near the ends of the pieces, and the rows between
+// go from a tile-sized scratch, in cache, straight to X.
 template <typename R>
 struct Spec {
   const R *L, *D, *U, *B;
   R* X;
   int64_t n, k, m, P, W;
+  int64_t edge = 0, kept = 0;
   R *d = nullptr, *du = nullptr, *dl = nullptr, *b = nullptr, *x = nullptr;
   R* ck = nullptr;    // checkpoints [P / W][m / kCheckpoint + 1][2 + k][W]
   R* ends = nullptr;  // [P][2 + k]: each piece's state at its last row, speculative
 
-  int64_t at(int64_t q, int64_t i) const { return (q / W * m + i) * W + q % W; }
+  bool compact() const { return kept < m; }
+  int64_t row(int64_t i) const { return i < edge ? i : i - (m - kept); }
+  int64_t at(int64_t q, int64_t i) const { return (q / W * kept + row(i)) * W + q % W; }
   int64_t atb(int64_t q, int64_t i, int64_t j) const {
-    return ((q / W * m + i) * k + j) * W + q % W;
+    return ((q / W * kept + row(i)) * k + j) * W + q % W;
   }
   int64_t checkpoints() const { return m / kCheckpoint + 1; }
   // Row r of A (identity rows past n): its diagonal, its entry right of the diagonal, the entry
@@ -543,6 +551,34 @@ struct Spec {
   R Br(int64_t r, int64_t j) const { return r < n ? B[r * k + j] : R(0); }
 };
 
+// The rows of one tile (W pieces side by side) while it is eliminated: in the workspace itself,
+// or in a scratch that the next tile of the same thread reuses.
+template <typename R>
+struct TileRows {
+  R *d, *du, *dl, *b, *x;
+};
+constexpr int kZeroPivot = 1, kNotFinite = 2;
+
+// A compact workspace: the first and last `edge` rows of tile t's pieces, from its scratch.
+template <typename R>
+void keep_edges(const Spec<R>& s, int64_t t, const TileRows<R>& rows) {
+  R* const to[5] = {s.d, s.du, s.dl, s.b, s.x};
+  const R* const from[5] = {rows.d, rows.du, rows.dl, rows.b, rows.x};
+  for (int a = 0; a < 5; ++a) {
+    const int64_t row = (a < 3 ? 1 : s.k) * s.W;  // reals per row of the tile
+    R* base = to[a] + t * s.kept * row;
+    std::memcpy(base, from[a], sizeof(R) * s.edge * row);
+    std::memcpy(base + s.edge * row, from[a] + (s.m - s.edge) * row, sizeof(R) * s.edge * row);
+  }
+}
+
+// GCC's __builtin_shuffle, for the transposes of the gather (elsewhere: element by element).
+#if defined(__GNUC__) && !defined(__clang__)
+#define TT_HAVE_SHUFFLE 1
+#else
+#define TT_HAVE_SHUFFLE 0
+#endif
+
 template <typename V, int NV>
 struct SpecTile {
   using R = typename Lane<V>::R;
@@ -552,15 +588,45 @@ struct SpecTile {
 
   static TT_INLINE V vabs(V x) { return (V)((I)x & (I{} + Lane<V>::kMag)); }
 
+#if TT_HAVE_SHUFFLE
+  // One round of a VL x VL transpose: rows a and a + H exchange their blocks of H elements.
+  template <int H>
+  static TT_INLINE void transpose_round(V* r) {
+    I lo, hi;
+    for (int p = 0; p < VL; ++p) {
+      lo[p] = (p & H) == 0 ? p : VL + p - H;
+      hi[p] = (p & H) == 0 ? p + H : VL + p;
+    }
+    for (int a = 0; a < VL; ++a) {
+      if (a & H) continue;
+      const V x = r[a], y = r[a + H];
+      r[a] = __builtin_shuffle(x, y, lo);
+      r[a + H] = __builtin_shuffle(x, y, hi);
+    }
+  }
+
+  // Rows i .. i + VL - 1 of VL pieces (src[c]: piece c's first row) to dst, side by side (row
+  // i + j at dst + j W): loaded a vector a piece, transposed in registers, stored a vector a
+  // row, where a copy element by element takes a store for each.
+  static TT_INLINE void transpose_in(const R* const* src, int64_t i, R* dst) {
+    V r[VL];
+    for (int c = 0; c < VL; ++c) r[c] = ld<V>(src[c] + i);
+    if constexpr (VL >= 2) transpose_round<1>(r);
+    if constexpr (VL >= 4) transpose_round<2>(r);
+    if constexpr (VL >= 8) transpose_round<4>(r);
+    for (int j = 0; j < VL; ++j) st(dst + j * W, r[j]);
+  }
+#endif
+
   // Rows of the W pieces of tile t side by side, then each piece eliminated from its own first
   // row (?gtsv's forward steps, a select for the interchange), with checkpoints of the state.
   // Returns whether a step met a zero pivot.
-  static TT_INLINE bool forward(const Spec<R>& s, int64_t t) {
+  static TT_INLINE bool forward(const Spec<R>& s, int64_t t, const TileRows<R>& rows) {
     const int64_t m = s.m, k = s.k, first = t * W * m, C = s.checkpoints();
-    R* d = s.d + t * m * W;
-    R* du = s.du + t * m * W;
-    R* dl = s.dl + t * m * W;
-    R* b = s.b + t * m * k * W;
+    R* d = rows.d;
+    R* du = rows.du;
+    R* dl = rows.dl;
+    R* b = rows.b;
     R* ck = s.ck + t * C * (2 + k) * W;
     const bool inside = first + W * m + 1 < s.n;  // every row and the next one inside A
     // Row i of the W pieces side by side. The copy goes a block of rows at a time, one piece
@@ -569,10 +635,32 @@ struct SpecTile {
     constexpr int64_t kBlock = 64;
     const V zero{};
     const V one = zero + R(1);
-    V bad[NV];
-    for (int o = 0; o < NV; ++o) bad[o] = zero;
+    V bad[NV], sa[NV], sc[NV], sb[NV];  // sa, sc, sb: the state carried down (k = 1: sb)
+    for (int o = 0; o < NV; ++o) bad[o] = sa[o] = sc[o] = sb[o] = zero;
     for (int64_t i0 = 0; i0 < m; i0 += kBlock) {
       const int64_t i1 = std::min(m, i0 + kBlock);
+      int64_t iv = i0;  // rows [i0, iv) of the bands (and of b, k = 1) copied by transposes
+#if TT_HAVE_SHUFFLE
+      if (inside) {
+        iv = i0 + (i1 - i0) / VL * VL;
+        for (int g = 0; g < NV; ++g) {
+          const R *Dp[VL], *Up[VL], *Lp[VL], *Bp[VL];
+          for (int c = 0; c < VL; ++c) {
+            const int64_t r0 = first + (g * VL + c) * m;
+            Dp[c] = s.D + r0;
+            Up[c] = s.U + r0;
+            Lp[c] = s.L + r0;
+            Bp[c] = s.B + r0;
+          }
+          for (int64_t i = i0; i < iv; i += VL) {
+            transpose_in(Dp, i, d + i * W + g * VL);
+            transpose_in(Up, i, du + i * W + g * VL);
+            transpose_in(Lp, i, dl + i * W + g * VL);
+            if (k == 1) transpose_in(Bp, i, b + i * W + g * VL);
+          }
+        }
+      }
+#endif
       for (int w = 0; w < W; ++w) {
         const int64_t r0 = first + w * m;
         if (inside) {
@@ -588,12 +676,12 @@ struct SpecTile {
             __builtin_prefetch(L + i);
             __builtin_prefetch(s.B + r0 * k + i * k);
           }
-          for (int64_t i = i0; i < i1; ++i) d[i * W + w] = D[i];
-          for (int64_t i = i0; i < i1; ++i) du[i * W + w] = U[i];
-          for (int64_t i = i0; i < i1; ++i) dl[i * W + w] = L[i];
+          for (int64_t i = iv; i < i1; ++i) d[i * W + w] = D[i];
+          for (int64_t i = iv; i < i1; ++i) du[i * W + w] = U[i];
+          for (int64_t i = iv; i < i1; ++i) dl[i * W + w] = L[i];
           if (k == 1) {
             const R* Bp = s.B + r0;
-            for (int64_t i = i0; i < i1; ++i) b[i * W + w] = Bp[i];
+            for (int64_t i = iv; i < i1; ++i) b[i * W + w] = Bp[i];
             continue;
           }
         } else {
@@ -608,38 +696,60 @@ struct SpecTile {
         }
       }
       // The steps whose two rows are in: (i, i + 1) for i + 1 < i1, while the block is in cache.
+      // The state carried down (row i's diagonal and superdiagonal) stays in registers.
       for (int64_t i = std::max<int64_t>(0, i0 - 1); i + 1 < i1; ++i) {
-      if (i % kCheckpoint == 0) {
-        R* c = ck + (i / kCheckpoint) * (2 + k) * W;
-        std::memcpy(c, d + i * W, sizeof(R) * W);
-        std::memcpy(c + W, du + i * W, sizeof(R) * W);
-        std::memcpy(c + 2 * W, b + i * k * W, sizeof(R) * k * W);
-      }
-      for (int o = 0; o < NV; ++o) {
-        R* d0 = d + i * W + o * VL;
-        R* u0 = du + i * W + o * VL;
-        R* l0 = dl + i * W + o * VL;
-        const V a = ld<V>(d0), l = ld<V>(l0), c = ld<V>(u0), e = ld<V>(d0 + W),
-                g = ld<V>(u0 + W);
-        const auto sw = (vabs(a) >= vabs(l)) == 0;  // interchange (also on NaN, as in dgtsv)
-        const V p = sw ? l : a;
-        const V f = (sw ? a : l) / p;
-        st(d0, p);
-        st(u0, sw ? e : c);
-        st(d0 + W, (sw ? c : e) - f * (sw ? e : c));
-        st(l0, sw ? g : zero);
-        st(u0 + W, sw ? -(f * g) : g);
-        bad[o] = ((sw == 0) & (a == zero)) ? one : bad[o];
-        for (int64_t j = 0; j < k; ++j) {
-          R* b0 = b + (i * k + j) * W + o * VL;
-          R* b1 = b0 + k * W;
-          const V x0 = ld<V>(b0), x1 = ld<V>(b1);
-          const V q = sw ? x1 : x0;
-          st(b0, q);
-          st(b1, (sw ? x0 : x1) - f * q);
+        if (i == 0) {
+          for (int o = 0; o < NV; ++o) {
+            sa[o] = ld<V>(d + o * VL);
+            sc[o] = ld<V>(du + o * VL);
+            sb[o] = ld<V>(b + o * VL);
+          }
+        }
+        if (i % kCheckpoint == 0) {
+          R* c = ck + (i / kCheckpoint) * (2 + k) * W;
+          for (int o = 0; o < NV; ++o) {
+            st(c + o * VL, sa[o]);
+            st(c + W + o * VL, sc[o]);
+            if (k == 1) st(c + 2 * W + o * VL, sb[o]);
+          }
+          if (k != 1) std::memcpy(c + 2 * W, b + i * k * W, sizeof(R) * k * W);
+        }
+        for (int o = 0; o < NV; ++o) {
+          R* d0 = d + i * W + o * VL;
+          R* u0 = du + i * W + o * VL;
+          R* l0 = dl + i * W + o * VL;
+          const V a = sa[o], c = sc[o], l = ld<V>(l0), e = ld<V>(d0 + W), g = ld<V>(u0 + W);
+          const auto sw = (vabs(a) >= vabs(l)) == 0;  // interchange (also on NaN, as in dgtsv)
+          const V p = sw ? l : a;
+          const V f = (sw ? a : l) / p;
+          st(d0, p);
+          st(u0, sw ? e : c);
+          st(l0, sw ? g : zero);
+          sa[o] = (sw ? c : e) - f * (sw ? e : c);
+          sc[o] = sw ? -(f * g) : g;
+          bad[o] = ((sw == 0) & (a == zero)) ? one : bad[o];
+          if (k == 1) {  // one right-hand side: its state in a register too
+            const V x0 = sb[o], x1 = ld<V>(b + (i + 1) * W + o * VL);
+            const V q = sw ? x1 : x0;
+            st(b + i * W + o * VL, q);
+            sb[o] = (sw ? x0 : x1) - f * q;
+            continue;
+          }
+          for (int64_t j = 0; j < k; ++j) {
+            R* b0 = b + (i * k + j) * W + o * VL;
+            R* b1 = b0 + k * W;
+            const V x0 = ld<V>(b0), x1 = ld<V>(b1);
+            const V q = sw ? x1 : x0;
+            st(b0, q);
+            st(b1, (sw ? x0 : x1) - f * q);
+          }
         }
       }
-      }
+    }
+    for (int o = 0; o < NV; ++o) {  // the last row's state: its pivot row
+      st(d + (m - 1) * W + o * VL, sa[o]);
+      st(du + (m - 1) * W + o * VL, sc[o]);
+      if (k == 1) st(b + (m - 1) * W + o * VL, sb[o]);
     }
     for (int w = 0; w < W; ++w) {  // each piece's state at its last row
       R* e = s.ends + (t * W + w) * (2 + k);
@@ -655,13 +765,13 @@ struct SpecTile {
   }
 
   // Back substitution of the W pieces of tile t, each from a guess of zero below it, into x.
-  static TT_INLINE void backward(const Spec<R>& s, int64_t t) {
+  static TT_INLINE void backward(const Spec<R>& s, const TileRows<R>& rows) {
     const int64_t m = s.m, k = s.k;
-    const R* d = s.d + t * m * W;
-    const R* du = s.du + t * m * W;
-    const R* dl = s.dl + t * m * W;
-    const R* b = s.b + t * m * k * W;
-    R* x = s.x + t * m * k * W;
+    const R* d = rows.d;
+    const R* du = rows.du;
+    const R* dl = rows.dl;
+    const R* b = rows.b;
+    R* x = rows.x;
     constexpr int kCols = 2;
     for (int64_t j0 = 0; j0 < k; j0 += kCols) {
       const int nc = static_cast<int>(std::min<int64_t>(kCols, k - j0));
@@ -685,13 +795,14 @@ struct SpecTile {
     }
   }
 
-  // The answer of the W pieces of tile t into X; false where a value is not finite.
-  static TT_INLINE bool scatter(const Spec<R>& s, int64_t t) {
+  // The answer of the W pieces of tile t (x: its rows) into X; false where a value of rows
+  // [from, to) is not finite.
+  static TT_INLINE bool scatter(const Spec<R>& s, int64_t t, const R* x, int64_t from,
+                                int64_t to) {
     const int64_t m = s.m, k = s.k, first = t * W * m;
-    const R* x = s.x + t * m * k * W;
     V finite[NV];  // stay 0 where every value is finite (inf - inf and NaN are NaN)
     for (int o = 0; o < NV; ++o) finite[o] = V{};
-    for (int64_t e = 0; e < m * k * W; e += W) {
+    for (int64_t e = from * k * W; e < to * k * W; e += W) {
       for (int o = 0; o < NV; ++o) {
         const V v = ld<V>(x + e + o * VL);
         finite[o] += v - v;
@@ -720,9 +831,24 @@ struct SpecTile {
     }
     return ok;
   }
+
+  // Tile t: the speculative elimination, then at once (its rows still in cache) the speculative
+  // back substitution; with a compact workspace, then its edges kept and the rows between them
+  // written to X. Returns kZeroPivot and kNotFinite bits.
+  static TT_INLINE int tile(const Spec<R>& s, int64_t t, const TileRows<R>& rows) {
+    int flags = forward(s, t, rows) ? kZeroPivot : 0;
+    backward(s, rows);
+    if (s.compact()) {
+      keep_edges(s, t, rows);
+      if (!scatter(s, t, rows.x, s.edge, s.m - s.edge)) flags |= kNotFinite;
+    }
+    return flags;
+  }
 };
 
-enum class Repair { kMerged, kThrough, kBad };
+// kFar: the repair needs rows that a compact workspace does not keep (the system is then solved
+// again with every row kept).
+enum class Repair { kMerged, kThrough, kBad, kFar };
 
 // Whether two reals have the same bits: == would take -0.0 for +0.0, whose sign a later
 // division can turn into an infinity of the other sign (and ?gtsv's answer keeps it).
@@ -735,7 +861,7 @@ TT_INLINE bool same_bits(R a, R b) {
 // superdiagonal, right-hand side) of the last row of piece q - 1, through the first rows of
 // piece q, until the state equals a checkpoint of the speculative chain. The steps' pivot rows
 // are written over the speculative ones. kThrough: no agreement in the piece; `state` is then
-// the state of piece q's last row. kBad: a zero pivot.
+// the state of piece q's last row. kBad: a zero pivot. kFar: see Repair.
 // A repair that runs again (its state above has changed) does not stop before `reach`, the row
 // where the earlier one stopped: the rows before it hold the earlier run's values. On return,
 // reach is the row where this one stopped.
@@ -753,6 +879,8 @@ Repair repair_forward(const Spec<R>& s, int64_t q, R* state, int64_t& reach) {
       for (int64_t j = 0; j < k && same; ++j) same = same_bits(c[(2 + j) * W], state[2 + j]);
       if (same) return Repair::kMerged;
     }
+    // Row i, and the two rows the back substitution starts again from, among the kept ones.
+    if (s.compact() && i + 2 >= s.edge) return Repair::kFar;
     const int64_t r = q * m + i;  // the global row of the pivot row
     const int64_t at = i >= 0 ? s.at(q, i) : s.at(q - 1, m - 1);
     const R a = state[0], c = state[1];
@@ -779,33 +907,43 @@ Repair repair_forward(const Spec<R>& s, int64_t q, R* state, int64_t& reach) {
 }
 
 // The backward repair of piece q <= P - 2, column j: the back substitution from the true values
-// of piece q + 1's first two rows, until two consecutive values equal the speculative ones.
-// Returns true where they did (false: it went through the piece).
+// of piece q + 1's first two rows, until two consecutive values equal the speculative ones
+// (kMerged), or through the piece (kThrough), or to a row a compact workspace does not keep.
 template <typename R>
-bool repair_backward(const Spec<R>& s, int64_t q, int64_t j, R xa, R xb) {
+Repair repair_backward(const Spec<R>& s, int64_t q, int64_t j, R xa, R xb) {
   bool same_below = false;
   for (int64_t i = s.m - 1; i >= 0; --i) {
+    if (s.compact() && i < s.m - s.edge) return Repair::kFar;
     const int64_t e = s.at(q, i), eb = s.atb(q, i, j);
     const R v = ((s.b[eb] - s.du[e] * xa) - s.dl[e] * xb) / s.d[e];
     const bool same = same_bits(v, s.x[eb]);
-    if (same && same_below) return true;
+    if (same && same_below) return Repair::kMerged;
     if (!same) s.x[eb] = v;
     same_below = same;
     xb = xa;
     xa = v;
   }
-  return false;
+  return Repair::kThrough;
 }
+
 
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
 #define TT_HAVE_AVX2 1
 #define TT_AVX2 __attribute__((target("avx2")))
-TT_AVX2 bool forward_avx2(const Spec<double>& s, int64_t t) { return SpecTile<v4d, 2>::forward(s, t); }
-TT_AVX2 bool forward_avx2(const Spec<float>& s, int64_t t) { return SpecTile<v8f, 2>::forward(s, t); }
-TT_AVX2 void backward_avx2(const Spec<double>& s, int64_t t) { SpecTile<v4d, 2>::backward(s, t); }
-TT_AVX2 void backward_avx2(const Spec<float>& s, int64_t t) { SpecTile<v8f, 2>::backward(s, t); }
-TT_AVX2 bool scatter_avx2(const Spec<double>& s, int64_t t) { return SpecTile<v4d, 2>::scatter(s, t); }
-TT_AVX2 bool scatter_avx2(const Spec<float>& s, int64_t t) { return SpecTile<v8f, 2>::scatter(s, t); }
+TT_AVX2 int tile_avx2(const Spec<double>& s, int64_t t, const TileRows<double>& rows) {
+  return SpecTile<v4d, 2>::tile(s, t, rows);
+}
+TT_AVX2 int tile_avx2(const Spec<float>& s, int64_t t, const TileRows<float>& rows) {
+  return SpecTile<v8f, 2>::tile(s, t, rows);
+}
+TT_AVX2 bool scatter_avx2(const Spec<double>& s, int64_t t, const double* x, int64_t from,
+                          int64_t to) {
+  return SpecTile<v4d, 2>::scatter(s, t, x, from, to);
+}
+TT_AVX2 bool scatter_avx2(const Spec<float>& s, int64_t t, const float* x, int64_t from,
+                          int64_t to) {
+  return SpecTile<v8f, 2>::scatter(s, t, x, from, to);
+}
 // TRIDIAG_TUTORIAL_NO_AVX2=1 in the environment when the library loads: the 16-byte lanes that
 // plain x86-64 and aarch64 use (the tests run them that way on any CPU).
 bool cpu_has_avx2() {
@@ -838,11 +976,11 @@ struct Wide<float> {
   using T = SpecTile<v8f, 2>;
 };
 
-// The workspace of the speculative kernel: kept by each calling thread between calls and grown
-// to the largest system it solved (5 n reals for one right-hand side). Fresh memory costs a page
-// fault per 4 KiB on its first use, as much as the solve itself at n = 1e6 (measured: 2.6x the
-// time of a solve with the workspace kept).
-template <typename R>
+// The workspace of the speculative kernel: kept by each thread between calls and grown to the
+// largest it needed (Tag: the calling thread's workspace, 0, or a thread's tile scratch, 1).
+// Fresh memory costs a page fault per 4 KiB on its first use, as much as the solve itself at
+// n = 1e6 (measured: 2.6x the time of a solve with the workspace kept).
+template <typename R, int Tag>
 R* workspace(int64_t count) {
   thread_local std::unique_ptr<R[]> buffer;
   thread_local int64_t capacity = 0;
@@ -854,61 +992,43 @@ R* workspace(int64_t count) {
   return buffer.get();
 }
 
-// Solve one real system on the speculative kernel. Returns 0 where it solved it, 1 where a
-// repair went through a whole piece (the answer is still ?gtsv's), and -1 where it could not
-// (a zero pivot or a value that is not finite; X is then undefined and the caller solves the
-// system with real_kernel_one).
+// One run of the speculative kernel on the pieces that s describes, its workspace kept whole
+// (s.kept = s.m) or compact. Returns 0 where it solved the system, 1 where a repair went through
+// a whole piece (the answer is still ?gtsv's), -1 where it could not (a zero pivot or a value
+// that is not finite) and -2 where a repair needed a row that a compact workspace lacks.
 template <typename R>
-int solve_speculative(const R* L, const R* D, const R* U, const R* B, R* X, int64_t n,
-                      int64_t k) {
-#if TT_HAVE_AVX2
-  const bool wide = cpu_has_avx2();
-#else
-  const bool wide = false;
-#endif
-  const int64_t W = wide ? Wide<R>::T::W : Narrow<R>::T::W;
-  // About kPieceRows rows a piece, but at least one tile of W pieces per thread where pieces of
-  // kMinPieceRows rows allow it (the tiles are what the threads share).
-  const int64_t threads = static_cast<int64_t>(torch::stable::get_num_threads());
-  int64_t P = std::max<int64_t>(W, (n + kPieceRows - 1) / kPieceRows);
-  P = std::max<int64_t>(P, W * std::min<int64_t>(threads, n / (W * kMinPieceRows)));
-  P = (P + W - 1) / W * W;
-  int64_t m = (n + P - 1) / P;
-  // W pieces are read side by side, m rows apart: a distance close to a multiple of 4 KiB puts
-  // them in one set of the L1 cache, which then misses on every row. Move away from it.
-  while (m * static_cast<int64_t>(sizeof(R)) > 4096 - 512) {
-    const int64_t off = (m * static_cast<int64_t>(sizeof(R))) % 4096;
-    if (off >= 512 && off <= 4096 - 512) break;
-    P += W;
-    m = (n + P - 1) / P;
-  }
-  if (m < 2 * kCheckpoint) return -1;
-  const int64_t tiles = P / W, rows = P * m, C = m / kCheckpoint + 1;
-  Spec<R> s{L, D, U, B, X, n, k, m, P, W};
-  s.d = workspace<R>(rows * (3 + 2 * k) + tiles * C * (2 + k) * W + P * (2 + k));
+int run_speculative(Spec<R>& s, bool wide) {
+  const int64_t n = s.n, k = s.k, m = s.m, P = s.P, W = s.W;
+  const int64_t tiles = P / W, C = s.checkpoints(), rows = P * s.kept;
+  s.d = workspace<R, 0>(rows * (3 + 2 * k) + tiles * C * (2 + k) * W + P * (2 + k));
   s.du = s.d + rows;
   s.dl = s.du + rows;
   s.b = s.dl + rows;
   s.x = s.b + rows * k;
   s.ck = s.x + rows * k;
   s.ends = s.ck + tiles * C * (2 + k) * W;
-  // Each tile: the speculative elimination, then at once (its rows still in cache) the
-  // speculative back substitution.
-  std::atomic<bool> bad{false};
+  // Every tile: eliminated, substituted back and (compact) written out, in the workspace itself
+  // or in a scratch of its thread's.
+  std::atomic<int> flags{0};
   torch::stable::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
+    R* scratch = s.compact() ? workspace<R, 1>(m * W * (3 + 2 * k)) : nullptr;
     for (int64_t t = begin; t < end; ++t) {
+      TileRows<R> rows{s.d + t * m * W, s.du + t * m * W, s.dl + t * m * W,
+                       s.b + t * m * k * W, s.x + t * m * k * W};
+      if (s.compact()) {
+        rows = {scratch, scratch + m * W, scratch + 2 * m * W, scratch + 3 * m * W,
+                scratch + (3 + k) * m * W};
+      }
 #if TT_HAVE_AVX2
       if (wide) {
-        if (forward_avx2(s, t)) bad.store(true);
-        backward_avx2(s, t);
+        flags.fetch_or(tile_avx2(s, t, rows));
         continue;
       }
 #endif
-      if (Narrow<R>::T::forward(s, t)) bad.store(true);
-      Narrow<R>::T::backward(s, t);
+      flags.fetch_or(Narrow<R>::T::tile(s, t, rows));
     }
   });
-  if (bad.load()) return -1;
+  if (flags.load() & kZeroPivot) return -1;
   // Forward repairs: all at once, each from the speculative state above it (ends); then, in
   // order, again below each piece that a repair went through (its last row's state changed).
   std::unique_ptr<Repair[]> how(new Repair[P]);
@@ -923,6 +1043,9 @@ int solve_speculative(const R* L, const R* D, const R* U, const R* B, R* X, int6
     }
   });
   int result = 0;
+  for (int64_t q = 1; q < P; ++q) {
+    if (how[q] == Repair::kFar) return -2;
+  }
   for (int64_t q = 1; q < P; ++q) {
     if (how[q] == Repair::kBad) return -1;
     if (how[q] != Repair::kThrough) continue;
@@ -969,18 +1092,18 @@ int solve_speculative(const R* L, const R* D, const R* U, const R* B, R* X, int6
       tops[(q * k + j) * 2 + 1] = s.x[s.atb(q, 1, j)];
     }
   }
-  std::atomic<bool> through{false};
+  std::atomic<int> through{0};  // bit 1: a repair went through a piece; bit 2: one went far
   torch::stable::parallel_for(0, P - 1, 8, [&](int64_t begin, int64_t end) {
     for (int64_t q = begin; q < end; ++q) {
       for (int64_t j = 0; j < k; ++j) {
-        if (!repair_backward(s, q, j, tops[((q + 1) * k + j) * 2],
-                             tops[((q + 1) * k + j) * 2 + 1])) {
-          through.store(true);
-        }
+        const Repair r = repair_backward(s, q, j, tops[((q + 1) * k + j) * 2],
+                                         tops[((q + 1) * k + j) * 2 + 1]);
+        if (r != Repair::kMerged) through.fetch_or(r == Repair::kFar ? 2 : 1);
       }
     }
   });
-  if (through.load()) result = 1;
+  if (through.load() & 2) return -2;
+  if (through.load() & 1) result = 1;
   // From the bottom up: where a piece's first two values are not those its upper neighbour's
   // repair started from, that repair runs again from the values now there.
   for (int64_t j = 0; j < k; ++j) {
@@ -991,24 +1114,86 @@ int solve_speculative(const R* L, const R* D, const R* U, const R* B, R* X, int6
         continue;
       }
       result = 1;
-      repair_backward(s, q, j, xa, xb);
+      if (repair_backward(s, q, j, xa, xb) == Repair::kFar) return -2;
     }
+  }
+  if (flags.load() & kNotFinite) return -1;
+  if (s.compact()) {  // the kept rows into X; the tiles wrote the others
+    bool finite = true;
+    for (int64_t t = 0; t < tiles; ++t) {
+      for (int64_t w = 0; w < W; ++w) {
+        const int64_t r0 = (t * W + w) * m;  // the piece's first row in A
+        const R* x = s.x + t * s.kept * k * W + w;
+        for (int64_t i = 0; i < s.kept; ++i) {
+          const int64_t r = r0 + (i < s.edge ? i : i + m - s.kept);
+          if (r >= n) break;
+          for (int64_t j = 0; j < k; ++j) {
+            const R v = x[(i * k + j) * W];
+            finite &= std::isfinite(v);
+            s.X[r * k + j] = v;
+          }
+        }
+      }
+    }
+    return finite ? result : -1;
   }
   std::atomic<bool> finite{true};
   torch::stable::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
+      const R* x = s.x + t * m * k * W;
 #if TT_HAVE_AVX2
       if (wide) {
-        if (!scatter_avx2(s, t)) finite.store(false);
+        if (!scatter_avx2(s, t, x, 0, m)) finite.store(false);
         continue;
       }
 #endif
-      if (!Narrow<R>::T::scatter(s, t)) finite.store(false);
+      if (!Narrow<R>::T::scatter(s, t, x, 0, m)) finite.store(false);
     }
   });
   return finite.load() ? result : -1;
 }
 
+// Solve one real system on the speculative kernel. Returns 0 where it solved it, 1 where a
+// repair went through a whole piece (the answer is still ?gtsv's), and -1 where it could not
+// (a zero pivot or a value that is not finite; X is then undefined and the caller solves the
+// system with real_kernel_one).
+template <typename R>
+int solve_speculative(const R* L, const R* D, const R* U, const R* B, R* X, int64_t n,
+                      int64_t k) {
+#if TT_HAVE_AVX2
+  const bool wide = cpu_has_avx2();
+#else
+  const bool wide = false;
+#endif
+  const int64_t W = wide ? Wide<R>::T::W : Narrow<R>::T::W;
+  // About kPieceRows rows a piece, but at least one tile of W pieces per thread where pieces of
+  // kMinPieceRows rows allow it (the tiles are what the threads share).
+  const int64_t threads = static_cast<int64_t>(torch::stable::get_num_threads());
+  int64_t P = std::max<int64_t>(W, (n + kPieceRows - 1) / kPieceRows);
+  P = std::max<int64_t>(P, W * std::min<int64_t>(threads, n / (W * kMinPieceRows)));
+  P = (P + W - 1) / W * W;
+  int64_t m = (n + P - 1) / P;
+  // W pieces are read side by side, m rows apart: a distance close to a multiple of 4 KiB puts
+  // them in one set of the L1 cache, which then misses on every row. Move away from it.
+  while (m * static_cast<int64_t>(sizeof(R)) > 4096 - 512) {
+    const int64_t off = (m * static_cast<int64_t>(sizeof(R))) % 4096;
+    if (off >= 512 && off <= 4096 - 512) break;
+    P += W;
+    m = (n + P - 1) / P;
+  }
+  if (m < 2 * kCheckpoint) return -1;
+  Spec<R> s{L, D, U, B, X, n, k, m, P, W};
+  // First with the compact workspace (long enough pieces), then, where a repair reached past
+  // its rows, with every row kept.
+  if (m >= 4 * kEdge) {
+    s.edge = kEdge;
+    s.kept = 2 * kEdge;
+    const int how = run_speculative(s, wide);
+    if (how != -2) return how;
+  }
+  s.edge = s.kept = m;
+  return run_speculative(s, wide);
+}
 
 
 // Solve nsys systems of size n with k right-hand sides. L, D, U, Bm, X are the contiguous
@@ -1232,7 +1417,7 @@ std::vector<int64_t> sizes_of(const Tensor& t) {
 
 // cpp_solve_ex(lower, diag, upper, rhs, speculative_min_n) -> (x, info, fallbacks): cpp_solve
 // with the size from which one real system (or each of fewer than W) goes to the speculative
-// kernel (cpp_solve: none), and how many such systems were not solved by it alone (a
+// kernel (cpp_solve: kSpeculativeMinN), and how many such systems were not solved by it alone (a
 // repair went through a whole piece, or the system went to the sequential elimination), as a
 // 0-dim int64 tensor.
 std::tuple<Tensor, Tensor, Tensor> cpp_solve_ex(const Tensor& lower, const Tensor& diag,
@@ -1258,7 +1443,7 @@ std::tuple<Tensor, Tensor, Tensor> cpp_solve_ex(const Tensor& lower, const Tenso
 
 std::tuple<Tensor, Tensor> cpp_solve(const Tensor& lower, const Tensor& diag, const Tensor& upper,
                                      const Tensor& rhs) {
-  auto [x, info, fallbacks] = cpp_solve_ex(lower, diag, upper, rhs, kNoSpeculative);
+  auto [x, info, fallbacks] = cpp_solve_ex(lower, diag, upper, rhs, kSpeculativeMinN);
   return {x, info};
 }
 
