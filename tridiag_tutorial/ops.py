@@ -3,9 +3,9 @@ r"""The public op, :func:`tridiagonal_solve`: the result of the whole tutorial.
 Design (chapter 8 explains it; chapter 5 shows the traps it gets around)::
 
     tridiagonal_solve(lower, diag, upper, rhs, driver=None)
-        |-- driver=None, CPU, no gradient asked for, nothing observes the call, the automatic
-        |   choice is the C++ kernel: its op, directly (it checks the inputs; where it refuses
-        |   them, the path below validates them and says why)
+        |-- driver=None, CPU, no transform, mode or compilation, the automatic choice is the
+        |   C++ kernel: its op, directly (with a gradient, in _CppSolve); it checks the inputs,
+        |   and where it refuses them, the path below validates them and says why
         |   validate + broadcast (one place); the driver resolved (kernels.resolve_driver)
         |-- nothing observes the call (no grad, no transform, no mode): the kernel, directly
         |-- eager:     _TridiagonalSolve            autograd.Function: backward, jvp, vmap
