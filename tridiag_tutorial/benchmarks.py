@@ -916,7 +916,8 @@ def _speculative_callable(args, mode):
     """The C++ kernel's speculative solve (:func:`tridiag_tutorial.compiled.solve_ex`), called
     directly, without the final op's dispatch: forward, or forward + the four gradients as the
     final op computes them (one more solve, with ``A^T``, and :func:`rules.band_gradients`)."""
-    lower, diag, upper, rhs = (a.unsqueeze(-1) if a is args[3] else a for a in args)
+    lower, diag, upper = args[:3]
+    rhs = args[3].unsqueeze(-1)
     if mode == "forward":
         return lambda: compiled.solve_ex(lower, diag, upper, rhs)
     ones = torch.ones_like(rhs)

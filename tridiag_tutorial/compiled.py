@@ -86,10 +86,7 @@ def solve(lower: torch.Tensor, diag: torch.Tensor, upper: torch.Tensor,
     if _C is None:
         raise RuntimeError(_missing_message())
     x, info = torch.ops.tridiag_tutorial.cpp_solve.default(lower, diag, upper, rhs)
-    code = int(info)
-    if code >= 0:
-        n = diag.shape[-1]
-        raise SingularMatrixError.at(code % n, code // n, diag.shape[:-1])
+    _raise_if_singular(info, diag)
     return x
 
 
@@ -104,8 +101,14 @@ def solve_ex(lower: torch.Tensor, diag: torch.Tensor, upper: torch.Tensor, rhs: 
         raise RuntimeError(_missing_message())
     x, info, fallbacks = torch.ops.tridiag_tutorial.cpp_solve_ex.default(
         lower, diag, upper, rhs, speculative_min_n)
+    _raise_if_singular(info, diag)
+    return x, int(fallbacks)
+
+
+def _raise_if_singular(info: torch.Tensor, diag: torch.Tensor) -> None:
+    """The ops' ``info`` (``-1``, or ``system * n + pivot`` of the first singular system) as
+    :class:`~tridiag_tutorial.SingularMatrixError`."""
     code = int(info)
     if code >= 0:
         n = diag.shape[-1]
         raise SingularMatrixError.at(code % n, code // n, diag.shape[:-1])
-    return x, int(fallbacks)

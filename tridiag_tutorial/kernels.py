@@ -53,8 +53,8 @@ def choose_driver(device_type: str, dtype: torch.dtype, batch: int, n: int, cpp:
     """The automatic choice (``driver=None``) for a solve without factors: a pure function.
 
     ``device_type`` is the tensors' ``device.type``, ``batch`` the number of systems, ``n`` their
-    size and ``cpp`` whether the C++ kernel is installed. ``dtype`` is part of the signature
-    because a kernel may one day pay for some dtypes only; today no rule depends on it.
+    size and ``cpp`` whether the C++ kernel is installed. Of ``dtype`` only whether it is complex
+    counts: one large complex system has no speculative solve in the C++ kernel (see below).
 
     - **CPU**: the C++ kernel, where installed, for every batch of two or more systems, for one
       real system of any size and for one complex system of ``n <= CPP_ONE_COMPLEX_SYSTEM_MAX_N``;
