@@ -298,7 +298,9 @@ KERNEL_LABELS = {
     "lapack.factor": "lapack factor+factored solve",
     "lapack.factor_solve": "lapack factor+factored solve",
     "compiled.solve": "cpp",
+    "compiled.solve_backward": "cpp",
     "op tridiag_tutorial::cpp_solve": "cpp",
+    "op tridiag_tutorial::cpp_solve_backward": "cpp",
     "op tridiag_tutorial_cpp::solve": "cpp",
     "op tridiag_tutorial_cpp::solve_autograd": "cpp",  # its kernel is called inside C++
     "torch_kernel.solve": "sequential solve",

@@ -207,11 +207,13 @@ def test_merge_replaces_the_rows_of_cases_measured_again_and_drops_retired_names
 
 @pytest.fixture
 def kernel_calls(monkeypatch):
-    """The kernels that run, in order: 'cpp' (compiled.solve) or 'lapack' (lapack.solve)."""
+    """The kernels that run, in order: 'cpp' (compiled.solve, or compiled.solve_backward in a
+    backward) or 'lapack' (lapack.solve)."""
     calls = []
-    for name, module in (("cpp", compiled), ("lapack", lapack)):
-        real = module.solve
-        monkeypatch.setattr(module, "solve",
+    for name, module, function in (("cpp", compiled, "solve"), ("cpp", compiled, "solve_backward"),
+                                   ("lapack", lapack, "solve")):
+        real = getattr(module, function)
+        monkeypatch.setattr(module, function,
                             lambda *a, _name=name, _real=real: calls.append(_name) or _real(*a))
     return calls
 

@@ -20,8 +20,10 @@ from tridiag_tutorial import (
     kernels,
     lapack,
     ops,
+    rules,
     tridiagonal_solve,
 )
+from tridiag_tutorial.compiled import SPECULATIVE_MIN_N
 
 from conftest import ALL_DTYPES, assert_close, assert_grads_match_dense, make_system, require_cpp
 
@@ -211,7 +213,8 @@ def test_opcheck(op, dtype):
 # ----------------------------------------------------------------------------------------------
 @pytest.fixture
 def calls(op, monkeypatch):
-    """Counts the calls of the C++ kernel (compiled.solve) and of LAPACK (lapack.solve)."""
+    """Counts the calls of the C++ kernel (compiled.solve, compiled.solve_backward) and of LAPACK
+    (lapack.solve)."""
     counts = {"cpp": 0, "lapack": 0}
 
     def counting(key, real):
@@ -221,6 +224,8 @@ def calls(op, monkeypatch):
         return call
 
     monkeypatch.setattr(compiled, "solve", counting("cpp", compiled.solve))
+    # the C++ backward in one call (the solve with A^H and the band products): the kernel too
+    monkeypatch.setattr(compiled, "solve_backward", counting("cpp", compiled.solve_backward))
     monkeypatch.setattr(lapack, "solve", counting("lapack", lapack.solve))
     return counts
 
@@ -885,24 +890,27 @@ GRAD_CASES = [((), None, torch.float64), ((3,), None, torch.float32), ((2, 3), 2
 @pytest.mark.parametrize("case", GRAD_CASES, ids=str)
 def test_fast_path_with_gradients_runs_cpp_solve(monkeypatch, no_python_validation, case):
     """A gradient asked for, nothing else observing the call: ops._CppSolve, the C++ op forward
-    and once more (with A^H) in the backward, no Python validation; the four gradients equal the
+    and its backward op (the solve with A^H and the band products) once, no Python validation;
+    the four gradients equal the
     dense solve's (also for a system on the speculative solve, n = 1030), and only the gradients
     asked for are formed."""
     batch, k, dtype, *size = case
     n = size[0] if size else 9
     calls = []
-    real_solve = compiled.solve
-    monkeypatch.setattr(compiled, "solve", lambda *a: calls.append(1) or real_solve(*a))
+    real_solve, real_backward = compiled.solve, compiled.solve_backward
+    monkeypatch.setattr(compiled, "solve", lambda *a: calls.append("solve") or real_solve(*a))
+    monkeypatch.setattr(compiled, "solve_backward",
+                        lambda *a: calls.append("backward") or real_backward(*a))
     args = make_system(n, batch, k, dtype=dtype, seed=75, requires_grad=True)
     x = tridiagonal_solve(*args)
-    assert type(x.grad_fn).__name__ == "_CppSolveBackward" and len(calls) == 1
+    assert type(x.grad_fn).__name__ == "_CppSolveBackward" and calls == ["solve"]
     w = torch.randn(x.shape, generator=torch.Generator().manual_seed(76), dtype=dtype)
 
     def loss(x):
         return (x * w).real.sum() if dtype.is_complex else (x * w).sum()
 
     grads = torch.autograd.grad(loss(x), args)
-    assert len(calls) == 2
+    assert calls == ["solve", "backward"]  # the backward: one call of cpp_solve_backward
     assert_grads_match_dense(grads, args, loss, dtype)
     only_rhs = [t.detach() for t in args[:3]] + [args[3]]
     (g,) = torch.autograd.grad(loss(tridiagonal_solve(*only_rhs)), [args[3]])
@@ -978,3 +986,155 @@ def test_fast_path_is_skipped_where_it_does_not_apply(monkeypatch):
     assert took(lambda: tridiagonal_solve(*big)) == [False]
     big_real = make_system(kernels.CPP_ONE_COMPLEX_SYSTEM_MAX_N + 1, seed=74)
     assert took(lambda: tridiagonal_solve(*big_real)) == [True]
+
+
+# ----------------------------------------------------------------------------------------------
+# The reverse mode in one call: cpp_solve_backward (compiled.solve_backward), what
+# tridiagonal_solve's backward runs on the C++ kernel. Checked against the rules it fuses (the
+# solve with A^H's bands and rules.band_gradients), against the dense reference, and on what it
+# must refuse.
+# ----------------------------------------------------------------------------------------------
+def fused_reference(lower, diag, upper, x, grad_x):
+    """``rules.solve_backward`` on the kernel: the solve with ``A^H`` and the band products."""
+    column = (lambda t: t.unsqueeze(-1)) if x.ndim == diag.ndim else (lambda t: t)
+    v = compiled.solve(upper.conj(), diag.conj(), lower.conj(), grad_x)
+    return (*rules.band_gradients(column(v), column(x)), v)
+
+
+# sizes on both sides of SPECULATIVE_MIN_N (one real system goes to the speculative kernel from
+# there), batches, one or three right-hand sides
+BACKWARD_CASES = [(1, (), None), (2, (3,), 2), (5, (2, 3), None), (40, (7,), 3),
+                  (SPECULATIVE_MIN_N - 1, (), None), (SPECULATIVE_MIN_N + 6, (), None),
+                  (SPECULATIVE_MIN_N + 6, (), 3), (3000, (2,), 1)]
+
+
+@pytest.mark.parametrize("dtype", ALL_DTYPES, ids=str)
+@pytest.mark.parametrize("n, batch, k", BACKWARD_CASES)
+def test_solve_backward_matches_the_rules(op, dtype, n, batch, k):
+    """grad_rhs is the solve with A^H bit for bit; the band gradients equal rules.band_gradients
+    (bit for bit for one real right-hand side, where the products are the same operations;
+    else to round-off, the sums over columns being in another order)."""
+    lower, diag, upper, rhs = make_system(n, batch, k, dtype=dtype, seed=140 + n)
+    x = compiled.solve(lower, diag, upper, rhs)
+    grad_x = make_system(n, batch, k, dtype=dtype, seed=141 + n)[3]
+    inputs = [t.clone() for t in (lower, diag, upper, x, grad_x)]
+    got = compiled.solve_backward(lower, diag, upper, x, grad_x)
+    want = fused_reference(lower, diag, upper, x, grad_x)
+    for a, b in zip(inputs, (lower, diag, upper, x, grad_x)):
+        assert torch.equal(a, b)  # the inputs are left as they were
+    torch.testing.assert_close(got[3], want[3], rtol=0, atol=0)
+    exact = not dtype.is_complex and (k is None or k == 1)
+    for g, w, band in zip(got[:3], want[:3], (lower, diag, upper)):
+        assert g.shape == band.shape and g.dtype == dtype and g.is_contiguous()
+        if exact:
+            torch.testing.assert_close(g, w, rtol=0, atol=0)
+        else:
+            assert_close(g, w)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.complex128], ids=str)
+def test_solve_backward_against_dense(op, dtype):
+    """The four gradients of sum(w * x) (w random, conjugated for complex) equal what autograd
+    gives through torch.linalg.solve on the dense matrix."""
+    args = make_system(9, (2,), 2, dtype=dtype, seed=150)
+    weight = make_system(9, (2,), 2, dtype=dtype, seed=151)[3]
+    x = compiled.solve(*args)
+    grads = compiled.solve_backward(*args[:3], x, weight.conj())
+    leaves = [a.clone().requires_grad_() for a in args]
+    assert_grads_match_dense(grads, leaves, lambda x: (weight * x).sum().real)
+
+
+def test_solve_backward_views_and_layouts(op):
+    """Conjugated, negated and non-contiguous views are read for their values."""
+    lower, diag, upper, rhs = make_system(12, (3,), 2, dtype=torch.complex128, seed=152)
+    x = compiled.solve(lower, diag, upper, rhs)
+    grad_x = make_system(12, (3,), 2, dtype=torch.complex128, seed=153)[3]
+    expected = compiled.solve_backward(lower, diag, upper, x, grad_x)
+    views = (lower.conj().conj(), diag.conj().resolve_conj().conj().conj(),
+             upper.mT.contiguous().mT, x.conj().conj(), grad_x.mT.contiguous().mT)
+    assert views[0].is_conj() is False and not views[2].is_contiguous()
+    got = compiled.solve_backward(*views)
+    for g, e in zip(got, expected):
+        torch.testing.assert_close(g, e, rtol=0, atol=0)
+    # the bands given as conjugate views: A is then conj(A), and so is everything else
+    conj = compiled.solve_backward(lower.conj(), diag.conj(), upper.conj(), x.conj(),
+                                   grad_x.conj())
+    for g, e in zip(conj, expected):
+        torch.testing.assert_close(g, e.conj(), rtol=0, atol=0)
+    real = make_system(12, (3,), None, seed=154)
+    xr = compiled.solve(*real)
+    plain = compiled.solve_backward(*real[:3], xr, real[3])
+    negated = torch._neg_view(-real[3])
+    assert negated.is_neg()
+    for g, e in zip(compiled.solve_backward(*real[:3], xr, negated), plain):
+        torch.testing.assert_close(g, e, rtol=0, atol=0)
+
+
+def test_solve_backward_singular_and_not_finite(op):
+    """A singular A: info from the op, SingularMatrixError from compiled.solve_backward. A NaN
+    in one system's grad_x stays in that system's gradients."""
+    lower, diag, upper, rhs = make_system(6, (4,), None, seed=155)
+    x = compiled.solve(lower, diag, upper, rhs)
+    grad_x = torch.ones_like(rhs)
+    singular = [t.clone() for t in (lower, diag, upper)]
+    singular[1][2, 3], singular[0][2, 3], singular[2][2, 2] = 0.0, 0.0, 0.0  # column 3 of A[2]
+    *_, info = T.cpp_solve_backward(*singular, x, grad_x)
+    assert int(info) >= 0 and int(info) // 6 == 2
+    with pytest.raises(SingularMatrixError, match="singular") as err:
+        compiled.solve_backward(*singular, x, grad_x)
+    assert err.value.batch_index == (2,)
+    clean = compiled.solve_backward(lower, diag, upper, x, grad_x)
+    poisoned = grad_x.clone()
+    poisoned[1, 4] = float("nan")
+    got = compiled.solve_backward(lower, diag, upper, x, poisoned)
+    for g, c in zip(got, clean):
+        assert g[1].isnan().any()
+        others = [0, 2, 3]
+        torch.testing.assert_close(g[others], c[others], rtol=0, atol=0)
+
+
+def bad_backward_inputs():
+    lower, diag, upper, rhs = make_system(5, (2,), 3, seed=156)
+    x = rhs.clone()
+    return {
+        "x of another shape": ((lower, diag, upper, x[..., :2], rhs),
+                               "x and grad_x must have one shape"),
+        "x of another dtype": ((lower, diag, upper, x.float(), rhs), "must have one dtype"),
+        "grad_x of another dtype": ((lower, diag, upper, x, rhs.float()), "must have one dtype"),
+        "grad_x too short": ((lower, diag, upper, x[..., :4, :], rhs[..., :4, :]), "shapes must be"),
+        "grad_x with a dimension too many": ((lower, diag, upper, x[..., None], rhs[..., None]),
+                                             "grad_x must be (*B, n)"),
+        "short band": ((lower[..., :3], diag, upper, x, rhs), "shapes must be"),
+        "integer dtype": ((lower.long(), diag.long(), upper.long(), x.long(), rhs.long()),
+                          "dtype must be"),
+        "sparse x": ((lower, diag, upper, x.to_sparse(), rhs), None),
+    }
+
+
+@pytest.mark.filterwarnings("ignore:Sparse CSR tensor support is in beta:UserWarning")
+@pytest.mark.parametrize("case", list(bad_backward_inputs()))
+def test_solve_backward_refuses_bad_input(op, case):
+    """Each bad input: an error that names the op and the problem, on the CPU (the C++ checks)
+    and on meta tensors (the fake kernel), before anything is read."""
+    args, message = bad_backward_inputs()[case]
+    with pytest.raises((RuntimeError, NotImplementedError)) as err:
+        T.cpp_solve_backward(*args)
+    assert "tridiag_tutorial::cpp_solve_backward" in str(err.value), str(err.value)[:300]
+    if message:
+        assert message in str(err.value), str(err.value)[:300]
+    if case != "sparse x":
+        with pytest.raises((RuntimeError, ValueError, TypeError)) as err:
+            T.cpp_solve_backward(*(t.to("meta") for t in args))
+        assert "tridiag_tutorial::cpp_solve_backward" in str(err.value), str(err.value)[:300]
+
+
+def test_solve_backward_opcheck(op):
+    """Schema, fake kernel (shapes of the four gradients and info) and AOT dispatch."""
+    for dtype in (torch.float64, torch.complex128):
+        lower, diag, upper, rhs = make_system(6, (3,), 2, dtype=dtype, seed=157)
+        x = compiled.solve(lower, diag, upper, rhs)
+        result = torch.library.opcheck(T.cpp_solve_backward.default, (lower, diag, upper, x, rhs))
+        assert result and all(v == "SUCCESS" for v in result.values()), result
+        fake = T.cpp_solve_backward(*(t.to("meta") for t in (lower, diag, upper, x, rhs)))
+        assert [tuple(t.shape) for t in fake] == [(3, 5), (3, 6), (3, 5), (3, 6, 2), ()]
+        assert fake[4].dtype == torch.int64

@@ -42,7 +42,7 @@ from conftest import KERNELS, make_system, require_cpp, torch_trap
 # The functions through which tridiag_tutorial.kernels calls each driver's kernel.
 KERNEL_ENTRIES = {
     "lapack": [(lapack, "solve"), (lapack, "factor"), (lapack, "factor_solve")],
-    "cpp": [(compiled, "solve")],
+    "cpp": [(compiled, "solve"), (compiled, "solve_backward")],
     "sequential": [(torch_kernel, "solve"), (torch_kernel, "factor"), (torch_kernel, "lu_solve")],
     "partitioned": [(partitioned, "solve")],
 }

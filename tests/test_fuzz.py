@@ -311,6 +311,19 @@ if DRIVER == "cpp":
             k_one = what == "short" and which == 3  # rhs (2, 5, 1): one column, valid
             run(f"op cpp_solve {what} arg {which}", k_one, lambda: ops.cpp_solve(*a)[0],
                 lambda: dense_solve(*a))
+    # the C++ backward op (tridiagonal_solve's backward on this kernel): x and grad_x of rhs's
+    # shape; each bad argument in turn, and x and grad_x bad together
+    x = dense_solve(lower, diag, upper, rhs)
+    good = [lower, diag, upper, x, rhs]
+    for which in (0, 1, 2, 3, 4, (3, 4)):
+        for what, bad in variants.items():
+            a = list(good)
+            for i in (which if isinstance(which, tuple) else (which,)):
+                a[i] = bad(a[i])
+            valid = which == (3, 4) and what == "short"  # x, grad_x (2, 5, 1): valid
+            run(f"op cpp_solve_backward {what} arg {which}", valid,
+                lambda: ops.cpp_solve_backward(*a)[3],
+                lambda: dense_solve(upper, diag, lower, a[4]))
 
 print("RESULTS", json.dumps(results), flush=True)
 '''

@@ -20,7 +20,8 @@ from conftest import assert_close, make_system, require_cpp
 
 IMPORT_BUDGET_S = 0.3  # what `import tridiag_tutorial` may add to `import torch`
 FRESH_PROCESSES = 5
-OPS = ("solve", "solve_kernel", "lu_factor", "cpp_solve")  # what the C++ library defines
+# what the C++ library defines
+OPS = ("solve", "solve_kernel", "lu_factor", "cpp_solve", "cpp_solve_ex", "cpp_solve_backward")
 
 
 def run_python(code: str, cwd, timeout: float = 300) -> dict:

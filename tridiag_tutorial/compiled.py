@@ -40,7 +40,8 @@ import torch
 
 from ._validation import SingularMatrixError
 
-__all__ = ["is_available", "library_path", "solve", "solve_ex", "SPECULATIVE_MIN_N", "BUILD_ERROR"]
+__all__ = ["is_available", "library_path", "solve", "solve_ex", "solve_backward", "SPECULATIVE_MIN_N",
+           "BUILD_ERROR"]
 
 # From this size on the speculative kernel measured faster than the sequential one (one thread,
 # float64: 0.96 of its time at n = 700, 0.76 at 1000, 0.6 at 1500 to 3000; float32 0.81 at 1000,
@@ -103,6 +104,23 @@ def solve_ex(lower: torch.Tensor, diag: torch.Tensor, upper: torch.Tensor, rhs: 
         lower, diag, upper, rhs, speculative_min_n)
     _raise_if_singular(info, diag)
     return x, int(fallbacks)
+
+
+def solve_backward(lower: torch.Tensor, diag: torch.Tensor, upper: torch.Tensor, x: torch.Tensor,
+                   grad_x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """The reverse mode of ``x = A^{-1} rhs`` in one call of the op ``cpp_solve_backward``:
+    ``(grad_lower, grad_diag, grad_upper, grad_rhs)`` from ``x`` and ``grad_x = dL/dx`` (both of
+    ``rhs``'s shape), where ``grad_rhs = v = A^{-H} grad_x`` is one solve on the kernel of
+    :func:`solve` and the band gradients are the bands of ``-v x^H`` summed over the columns
+    (:func:`tridiag_tutorial.rules.solve_backward`, with the products formed in C++ instead of
+    four passes of torch ops). Raises :class:`~tridiag_tutorial.SingularMatrixError` as
+    :func:`solve` does for ``A^H``."""
+    if _C is None:
+        raise RuntimeError(_missing_message())
+    *grads, info = torch.ops.tridiag_tutorial.cpp_solve_backward.default(
+        lower, diag, upper, x, grad_x)
+    _raise_if_singular(info, diag)
+    return tuple(grads)
 
 
 def _raise_if_singular(info: torch.Tensor, diag: torch.Tensor) -> None:

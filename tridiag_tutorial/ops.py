@@ -289,7 +289,8 @@ def _check_not_forward_over_forward() -> None:
 # The ops. Their schemas are in C++ (csrc/tridiag.cpp); SCHEMAS defines the same ones where the
 # extension was not built. tridiag_tutorial::solve has an Autograd kernel of our own;
 # solve_kernel (the kernel alone, what the graphs call forward and backward) and lu_factor have
-# fake kernels and vmap rules; cpp_solve (and cpp_solve_ex) is the C++ kernel.
+# fake kernels and vmap rules; cpp_solve (and cpp_solve_ex) is the C++ kernel, and
+# cpp_solve_backward its reverse mode in one call.
 # --------------------------------------------------------------------------------------------
 SCHEMAS = {
     "solve": "solve(Tensor lower, Tensor diag, Tensor upper, Tensor rhs, Tensor? lu, "
@@ -364,6 +365,19 @@ def _cpp_solve_ex_fake(lower, diag, upper, rhs, speculative_min_n):
     return x, info, rhs.new_empty((), dtype=torch.int64)
 
 
+def _cpp_solve_backward_fake(lower, diag, upper, x, grad_x):
+    """Fake kernel of ``cpp_solve_backward``: the band gradients (the bands' shapes), ``grad_rhs``
+    (``grad_x``'s) and ``info``, with its checks (``cpp_solve``'s for ``grad_x`` in place of
+    ``rhs``, and ``x`` of ``grad_x``'s shape and dtype)."""
+    name = "tridiag_tutorial::cpp_solve_backward"
+    matrix = grad_x if grad_x.ndim != diag.ndim else grad_x.unsqueeze(-1)
+    validate_kernel_args(lower, diag, upper, matrix, None, None, "N", name=name)
+    torch._check(x.shape == grad_x.shape and x.dtype == grad_x.dtype and x.device == grad_x.device,
+                 lambda: f"{name}: x and grad_x must have one shape, dtype and device")
+    return (lower.new_empty(lower.shape), diag.new_empty(diag.shape), upper.new_empty(upper.shape),
+            grad_x.new_empty(grad_x.shape), grad_x.new_empty((), dtype=torch.int64))
+
+
 def _on_kernel(op, trans: str, driver: str):
     """``op`` as a function of its six tensors, with the last two arguments bound."""
     return lambda *tensors: op(*tensors, trans, driver)
@@ -405,6 +419,8 @@ torch.library.register_fake("tridiag_tutorial::lu_factor", _lu_factor_fake, lib=
 if compiled.is_available():
     torch.library.register_fake("tridiag_tutorial::cpp_solve", _cpp_solve_fake, lib=_LIB)
     torch.library.register_fake("tridiag_tutorial::cpp_solve_ex", _cpp_solve_ex_fake, lib=_LIB)
+    torch.library.register_fake("tridiag_tutorial::cpp_solve_backward", _cpp_solve_backward_fake,
+                                lib=_LIB)
 
 _kernel_op = torch.ops.tridiag_tutorial.solve_kernel.default
 _factor_op = torch.ops.tridiag_tutorial.lu_factor.default
@@ -514,10 +530,12 @@ class _CppSolve(torch.autograd.Function):
     gradient is asked for, but no transform, forward-AD level or mode can see the call, so the
     ``jvp`` and ``vmap`` rules of :class:`_TridiagonalSolve` are not needed, nor its factors,
     ``trans`` or driver argument, nor the reshaping of a vector ``rhs`` (the op takes it as it
-    is). The backward solves with ``A^H`` on the same kernel and forms the band gradients; where
-    it is itself differentiated (``create_graph=True``) or runs under a transform
-    (``torch.autograd.functional.jacobian(..., vectorize=True)`` vmaps it), it takes the general
-    path's differentiable rules instead."""
+    is). The backward is one call of the C++ op ``cpp_solve_backward``
+    (:func:`compiled.solve_backward`: the solve with ``A^H`` on the same kernel, and the band
+    gradients formed in C++ in one pass, not four torch ops), or the solve alone where only
+    ``rhs`` needs a gradient; where it is itself differentiated (``create_graph=True``) or runs
+    under a transform (``torch.autograd.functional.jacobian(..., vectorize=True)`` vmaps it), it
+    takes the general path's differentiable rules instead."""
 
     @staticmethod
     def forward(ctx, lower, diag, upper, rhs):
@@ -528,14 +546,19 @@ class _CppSolve(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_x):
         lower, diag, upper, x = ctx.saved_tensors
+        needs = ctx.needs_input_grad[:3]
+        if not (torch.is_grad_enabled() or _compat.forward_ad_active() or not _direct(grad_x)):
+            if not any(needs):  # the gradient of rhs alone: the solve with A^H
+                return None, None, None, compiled.solve(upper.conj(), diag.conj(), lower.conj(),
+                                                        grad_x)
+            grads = compiled.solve_backward(lower, diag, upper, x, grad_x)  # one call, in C++
+            return (*(g if need else None for g, need in zip(grads, needs)), grads[3])
+
+        def solve(lower, diag, upper, rhs):  # differentiable, and it knows transforms
+            return _apply(lower, diag, upper, rhs, None, None, "N", "cpp")
+
         column = (lambda t: t.unsqueeze(-1)) if x.dim() == diag.dim() else (lambda t: t)
-        if torch.is_grad_enabled() or _compat.forward_ad_active() or not _direct(grad_x):
-            def solve(lower, diag, upper, rhs):  # differentiable, and it knows transforms
-                return _apply(lower, diag, upper, rhs, None, None, "N", "cpp")
-        else:
-            solve = compiled.solve
-        grads = _band_grads_and_rhs(solve, ctx.needs_input_grad[:3], lower, diag, upper,
-                                    column(x), column(grad_x))
+        grads = _band_grads_and_rhs(solve, needs, lower, diag, upper, column(x), column(grad_x))
         return (*grads[:3], grads[3].reshape(x.shape))
 
 

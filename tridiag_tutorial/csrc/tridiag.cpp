@@ -9,6 +9,8 @@
 //   tridiag_tutorial::lu_factor(lower, diag, upper, driver) -> (lu, pivots)
 //   tridiag_tutorial::cpp_solve(lower, diag, upper, rhs) -> (x, info)
 //   tridiag_tutorial::cpp_solve_ex(lower, diag, upper, rhs, speculative_min_n) -> (x, info, fallbacks)
+//   tridiag_tutorial::cpp_solve_backward(lower, diag, upper, x, grad_x)
+//       -> (grad_lower, grad_diag, grad_upper, grad_rhs, info)
 //
 // The Python package (tridiag_tutorial/ops.py) registers their fake kernels, the Autograd kernel
 // of solve, the vmap rules and the kernels of each device (LAPACK through SciPy, this file's
@@ -515,6 +517,10 @@ struct Lane<v8f> {
 constexpr int64_t kSpeculativeMinN = 1024;
 constexpr int64_t kPieceRows = 1024;       // the target m (measured: 512 to 2048 within 15%)
 constexpr int64_t kMinPieceRows = 256;     // the least m when pieces are cut smaller for threads
+constexpr int64_t kRepairGrain = 32;
+        // pieces a thread repairs at least: a repair takes tens of rows, well under a
+        // microsecond, and waking a second thread several (measured: grain 8 made two threads
+        // slower than one below n = 1e4)
 constexpr int64_t kCheckpoint = 8;
         // rows between two checkpoints of the forward state
 constexpr int64_t kEdge = 64;
@@ -616,6 +622,17 @@ struct SpecTile {
     if constexpr (VL >= 8) transpose_round<4>(r);
     for (int j = 0; j < VL; ++j) st(dst + j * W, r[j]);
   }
+
+  // The way back: rows i .. i + VL - 1 of VL pieces side by side (src: row i, the first of the
+  // VL lanes) to each piece's own rows (dst[c] + i), by the same transposes.
+  static TT_INLINE void transpose_out(const R* src, int64_t i, R* const* dst) {
+    V r[VL];
+    for (int j = 0; j < VL; ++j) r[j] = ld<V>(src + j * W);
+    if constexpr (VL >= 2) transpose_round<1>(r);
+    if constexpr (VL >= 4) transpose_round<2>(r);
+    if constexpr (VL >= 8) transpose_round<4>(r);
+    for (int c = 0; c < VL; ++c) st(dst[c] + i, r[c]);
+  }
 #endif
 
   // Rows of the W pieces of tile t side by side, then each piece eliminated from its own first
@@ -628,7 +645,6 @@ struct SpecTile {
     R* dl = rows.dl;
     R* b = rows.b;
     R* ck = s.ck + t * C * (2 + k) * W;
-    const bool inside = first + W * m + 1 < s.n;  // every row and the next one inside A
     // Row i of the W pieces side by side. The copy goes a block of rows at a time, one piece
     // after another: W pieces read row by row at once are 4 W streams of memory, more than the
     // hardware prefetchers follow (measured: 3 times slower at n = 1e6).
@@ -639,31 +655,36 @@ struct SpecTile {
     for (int o = 0; o < NV; ++o) bad[o] = sa[o] = sc[o] = sb[o] = zero;
     for (int64_t i0 = 0; i0 < m; i0 += kBlock) {
       const int64_t i1 = std::min(m, i0 + kBlock);
-      int64_t iv = i0;  // rows [i0, iv) of the bands (and of b, k = 1) copied by transposes
+      // Rows [i0, i1) of piece w and the row after them lie inside A when first + w m + i1 < n:
+      // those are read as they are; the rows of the last piece near the end of A through
+      // s.Dr and its kind (identity rows past n). The pieces of a group of VL whose rows all
+      // lie inside are copied by transposes, rows [i0, iv).
+      const int64_t iv = i0 + (i1 - i0) / VL * VL;
+      bool transposed[NV];
+      for (int g = 0; g < NV; ++g) transposed[g] = false;
 #if TT_HAVE_SHUFFLE
-      if (inside) {
-        iv = i0 + (i1 - i0) / VL * VL;
-        for (int g = 0; g < NV; ++g) {
-          const R *Dp[VL], *Up[VL], *Lp[VL], *Bp[VL];
-          for (int c = 0; c < VL; ++c) {
-            const int64_t r0 = first + (g * VL + c) * m;
-            Dp[c] = s.D + r0;
-            Up[c] = s.U + r0;
-            Lp[c] = s.L + r0;
-            Bp[c] = s.B + r0;
-          }
-          for (int64_t i = i0; i < iv; i += VL) {
-            transpose_in(Dp, i, d + i * W + g * VL);
-            transpose_in(Up, i, du + i * W + g * VL);
-            transpose_in(Lp, i, dl + i * W + g * VL);
-            if (k == 1) transpose_in(Bp, i, b + i * W + g * VL);
-          }
+      for (int g = 0; g < NV; ++g) {
+        if (first + (g * VL + VL - 1) * m + i1 >= s.n) continue;
+        transposed[g] = true;
+        const R *Dp[VL], *Up[VL], *Lp[VL], *Bp[VL];
+        for (int c = 0; c < VL; ++c) {
+          const int64_t r0 = first + (g * VL + c) * m;
+          Dp[c] = s.D + r0;
+          Up[c] = s.U + r0;
+          Lp[c] = s.L + r0;
+          Bp[c] = s.B + r0;
+        }
+        for (int64_t i = i0; i < iv; i += VL) {
+          transpose_in(Dp, i, d + i * W + g * VL);
+          transpose_in(Up, i, du + i * W + g * VL);
+          transpose_in(Lp, i, dl + i * W + g * VL);
+          if (k == 1) transpose_in(Bp, i, b + i * W + g * VL);
         }
       }
 #endif
       for (int w = 0; w < W; ++w) {
         const int64_t r0 = first + w * m;
-        if (inside) {
+        if (r0 + i1 < s.n) {
           const R* D = s.D + r0;
           const R* U = s.U + r0;
           const R* L = s.L + r0;
@@ -676,12 +697,13 @@ struct SpecTile {
             __builtin_prefetch(L + i);
             __builtin_prefetch(s.B + r0 * k + i * k);
           }
-          for (int64_t i = iv; i < i1; ++i) d[i * W + w] = D[i];
-          for (int64_t i = iv; i < i1; ++i) du[i * W + w] = U[i];
-          for (int64_t i = iv; i < i1; ++i) dl[i * W + w] = L[i];
+          const int64_t from = transposed[w / VL] ? iv : i0;
+          for (int64_t i = from; i < i1; ++i) d[i * W + w] = D[i];
+          for (int64_t i = from; i < i1; ++i) du[i * W + w] = U[i];
+          for (int64_t i = from; i < i1; ++i) dl[i * W + w] = L[i];
           if (k == 1) {
             const R* Bp = s.B + r0;
-            for (int64_t i = iv; i < i1; ++i) b[i * W + w] = Bp[i];
+            for (int64_t i = from; i < i1; ++i) b[i * W + w] = Bp[i];
             continue;
           }
         } else {
@@ -813,11 +835,23 @@ struct SpecTile {
     constexpr int64_t kBlock = 64;  // a block of rows at a time, as in forward
     for (int64_t i0 = 0; i0 < m; i0 += kBlock) {
       const int64_t i1 = std::min(m, i0 + kBlock);
+      const int64_t iv = i0 + (i1 - i0) / VL * VL;  // rows [i0, iv): by transposes, k = 1
+      bool transposed[NV];
+      for (int g = 0; g < NV; ++g) transposed[g] = false;
+#if TT_HAVE_SHUFFLE
+      for (int g = 0; g < NV && k == 1; ++g) {
+        if ((g + 1) * VL > hi) break;
+        transposed[g] = true;
+        R* Xp[VL];
+        for (int c = 0; c < VL; ++c) Xp[c] = s.X + first + (g * VL + c) * m;
+        for (int64_t i = i0; i < iv; i += VL) transpose_out(x + i * W + g * VL, i, Xp);
+      }
+#endif
       for (int w = 0; w < W; ++w) {
         const int64_t r0 = first + w * m;
         if (w < hi && k == 1) {
           R* Xp = s.X + r0;
-          for (int64_t i = i0; i < i1; ++i) Xp[i] = x[i * W + w];
+          for (int64_t i = transposed[w / VL] ? iv : i0; i < i1; ++i) Xp[i] = x[i * W + w];
           continue;
         }
         for (int64_t i = i0; i < i1 && r0 + i < s.n; ++i) {
@@ -1034,7 +1068,7 @@ int run_speculative(Spec<R>& s, bool wide) {
   std::unique_ptr<Repair[]> how(new Repair[P]);
   std::unique_ptr<int64_t[]> reach(new int64_t[P]);
   std::vector<R> states(P * (2 + k));
-  torch::stable::parallel_for(1, P, 8, [&](int64_t begin, int64_t end) {
+  torch::stable::parallel_for(1, P, kRepairGrain, [&](int64_t begin, int64_t end) {
     for (int64_t q = begin; q < end; ++q) {
       R* state = &states[q * (2 + k)];
       std::copy(s.ends + (q - 1) * (2 + k), s.ends + q * (2 + k), state);
@@ -1067,7 +1101,7 @@ int run_speculative(Spec<R>& s, bool wide) {
   // again there, upward from the first row the repair left alone (below the piece: the same
   // guess of zero). The last row of the piece above also changed: its backward repair, which
   // starts there, takes care of it.
-  torch::stable::parallel_for(1, P, 8, [&](int64_t begin, int64_t end) {
+  torch::stable::parallel_for(1, P, kRepairGrain, [&](int64_t begin, int64_t end) {
     for (int64_t q = begin; q < end; ++q) {
       const int64_t top = std::min(reach[q], m);
       for (int64_t j = 0; j < k; ++j) {
@@ -1093,7 +1127,7 @@ int run_speculative(Spec<R>& s, bool wide) {
     }
   }
   std::atomic<int> through{0};  // bit 1: a repair went through a piece; bit 2: one went far
-  torch::stable::parallel_for(0, P - 1, 8, [&](int64_t begin, int64_t end) {
+  torch::stable::parallel_for(0, P - 1, kRepairGrain, [&](int64_t begin, int64_t end) {
     for (int64_t q = begin; q < end; ++q) {
       for (int64_t j = 0; j < k; ++j) {
         const Repair r = repair_backward(s, q, j, tops[((q + 1) * k + j) * 2],
@@ -1329,10 +1363,10 @@ struct Sizes {
 };
 
 Sizes check_inputs(const Tensor& lower, const Tensor& diag, const Tensor& upper,
-                   const Tensor& rhs) {
-  const char* op = "tridiag_tutorial::cpp_solve";
+                   const Tensor& rhs, const char* op = "tridiag_tutorial::cpp_solve",
+                   const char* rhs_name = "rhs") {
   const std::pair<const char*, const Tensor*> all[] = {
-      {"lower", &lower}, {"diag", &diag}, {"upper", &upper}, {"rhs", &rhs}};
+      {"lower", &lower}, {"diag", &diag}, {"upper", &upper}, {rhs_name, &rhs}};
   for (const auto& [name, t] : all) {
     STD_TORCH_CHECK(t->defined(), op, ": ", name, " is undefined");
     STD_TORCH_CHECK(t->layout() == torch::headeronly::Layout::Strided, op, ": ", name,
@@ -1341,9 +1375,9 @@ Sizes check_inputs(const Tensor& lower, const Tensor& diag, const Tensor& upper,
   }
   STD_TORCH_CHECK(diag.dim() >= 1, op, ": diag must have a last dimension n");
   const bool vector = rhs.dim() == diag.dim();
-  STD_TORCH_CHECK(vector || rhs.dim() == diag.dim() + 1, op, ": rhs must be (*B, n) or "
-                  "(*B, n, k) for diag (*B, n); got rhs with ", rhs.dim(), " dimensions and diag ",
-                  "with ", diag.dim());
+  STD_TORCH_CHECK(vector || rhs.dim() == diag.dim() + 1, op, ": ", rhs_name, " must be (*B, n) "
+                  "or (*B, n, k) for diag (*B, n); got ", rhs_name, " with ", rhs.dim(),
+                  " dimensions and diag with ", diag.dim());
   const int64_t n = diag.size(-1);
   const int64_t k = vector ? 1 : rhs.size(-1);
   STD_TORCH_CHECK(n >= 1, op, ": n must be at least 1");
@@ -1355,8 +1389,8 @@ Sizes check_inputs(const Tensor& lower, const Tensor& diag, const Tensor& upper,
   if (!vector) rhs_shape.push_back(k);
   STD_TORCH_CHECK(same_sizes(lower, band_shape) && same_sizes(upper, band_shape) &&
                       same_sizes(rhs, rhs_shape),
-                  op, ": shapes must be lower, upper (*B, n-1), diag (*B, n) and rhs (*B, n) or "
-                  "(*B, n, k), with one batch shape");
+                  op, ": shapes must be lower, upper (*B, n-1), diag (*B, n) and ", rhs_name,
+                  " (*B, n) or (*B, n, k), with one batch shape");
   const ScalarType dtype = diag.scalar_type();
   STD_TORCH_CHECK(dtype == ScalarType::Float || dtype == ScalarType::Double ||
                       dtype == ScalarType::ComplexFloat || dtype == ScalarType::ComplexDouble,
@@ -1447,6 +1481,129 @@ std::tuple<Tensor, Tensor> cpp_solve(const Tensor& lower, const Tensor& diag, co
   return {x, info};
 }
 
+// The bands of -v x^H summed over the k columns (rules.band_gradients), for nsys systems of n
+// rows, v and x (nsys, n, k) C-contiguous (complex: interleaved parts):
+//   grad_lower[i] = -sum_j v[i+1, j] conj(x[i, j]), grad_diag[i] = -sum_j v[i, j] conj(x[i, j]),
+//   grad_upper[i] = -sum_j v[i, j] conj(x[i+1, j]).
+// One pass over v and x in chunks of rows (spread over the threads), three short loops a chunk.
+template <typename R, bool Complex>
+void band_products(const R* V, const R* X, R* GL, R* GD, R* GU, int64_t nsys, int64_t n,
+                   int64_t k) {
+  constexpr int C = Complex ? 2 : 1;
+  // -v[a] conj(x[b]) summed over the columns, into out (C values).
+  auto product = [&](const R* v, const R* x, R* out) {
+    if constexpr (Complex) {
+      R re = 0, im = 0;
+      for (int64_t j = 0; j < k; ++j) {
+        const R a = v[2 * j], b = v[2 * j + 1], c = x[2 * j], d = x[2 * j + 1];
+        re += a * c + b * d;
+        im += b * c - a * d;
+      }
+      out[0] = -re;
+      out[1] = -im;
+    } else {
+      R sum = 0;
+      for (int64_t j = 0; j < k; ++j) sum += v[j] * x[j];
+      out[0] = -sum;
+    }
+  };
+  const int64_t row = k * C;  // values per row of v and x
+  torch::stable::parallel_for(0, nsys * n, 16384, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end;) {
+      const int64_t s = r / n, i0 = r - s * n, i1 = std::min(n, i0 + (end - r));
+      const R* v = V + s * n * row;
+      const R* x = X + s * n * row;
+      R* gd = GD + s * n * C;
+      R* gl = GL + s * (n - 1) * C;
+      R* gu = GU + s * (n - 1) * C;
+      if (!Complex && k == 1) {  // one column: plain products, which the compiler vectorizes
+        for (int64_t i = i0; i < i1; ++i) gd[i] = -(v[i] * x[i]);
+        for (int64_t i = i0; i < std::min(i1, n - 1); ++i) gu[i] = -(v[i] * x[i + 1]);
+        for (int64_t i = std::max<int64_t>(i0, 1); i < i1; ++i) gl[i - 1] = -(v[i] * x[i - 1]);
+      } else {
+        for (int64_t i = i0; i < i1; ++i) product(v + i * row, x + i * row, gd + i * C);
+        for (int64_t i = i0; i < std::min(i1, n - 1); ++i) {
+          product(v + i * row, x + (i + 1) * row, gu + i * C);
+        }
+        for (int64_t i = std::max<int64_t>(i0, 1); i < i1; ++i) {
+          product(v + i * row, x + (i - 1) * row, gl + (i - 1) * C);
+        }
+      }
+      r += i1 - i0;
+    }
+  });
+}
+
+// The values of A^H's band that t is (conj(upper) is A^H's lower band, conj(diag) its diagonal,
+// conj(lower) its upper band), in C order: for a real t, t itself.
+Tensor adjoint_band(const Tensor& t, bool complex) {
+  return complex ? dense_values(call_unary("aten::conj", t), true) : dense_values(t, false);
+}
+
+// cpp_solve_backward(lower, diag, upper, x, grad_x) -> (grad_lower, grad_diag, grad_upper,
+// grad_rhs, info): the reverse mode of x = A^{-1} rhs on this kernel, in one call. grad_rhs is
+// v = A^{-H} grad_x, one solve with A^H's bands (the speculative kernel for one large real
+// system, as cpp_solve), and the band gradients are the bands of -v x^H summed over the columns
+// (band_products). x and grad_x have rhs's shape, (*B, n) or (*B, n, k); everything is checked
+// before it is read, as in cpp_solve, and info is cpp_solve's, for A^H.
+std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> cpp_solve_backward(
+    const Tensor& lower, const Tensor& diag, const Tensor& upper, const Tensor& x,
+    const Tensor& grad_x) {
+  const char* op = "tridiag_tutorial::cpp_solve_backward";
+  const Sizes z = check_inputs(lower, diag, upper, grad_x, op, "grad_x");
+  STD_TORCH_CHECK(x.defined(), op, ": x is undefined");
+  STD_TORCH_CHECK(x.layout() == torch::headeronly::Layout::Strided, op,
+                  ": x must be a dense (strided) tensor");
+  STD_TORCH_CHECK(x.is_cpu(), op, ": CPU tensors only (x is not on the CPU)");
+  STD_TORCH_CHECK(x.scalar_type() == diag.scalar_type(), op, ": all inputs must have one dtype");
+  STD_TORCH_CHECK(same_sizes(x, sizes_of(grad_x)), op, ": x and grad_x must have one shape");
+  const ScalarType dtype = diag.scalar_type();
+  const bool c = is_complex(dtype);
+  const Tensor l = adjoint_band(upper, c), d = adjoint_band(diag, c), u = adjoint_band(lower, c),
+               g = dense_values(grad_x, c), xs = dense_values(x, c);
+  Tensor v = torch::stable::new_empty(g, sizes_of(grad_x));
+  Tensor grad_lower = torch::stable::new_empty(d, sizes_of(lower));
+  Tensor grad_diag = torch::stable::new_empty(d, sizes_of(diag));
+  Tensor grad_upper = torch::stable::new_empty(d, sizes_of(upper));
+  std::atomic<int64_t> first{std::numeric_limits<int64_t>::max()};
+  int64_t fallbacks = 0;
+  if (z.nsys > 0) {
+    solve_dtype(dtype, l.const_data_ptr(), d.const_data_ptr(), u.const_data_ptr(),
+                g.const_data_ptr(), v.mutable_data_ptr(), z.nsys, z.n, z.k, first,
+                kSpeculativeMinN, fallbacks);
+    switch (dtype) {
+      case ScalarType::Float:
+        band_products<float, false>(v.const_data_ptr<float>(), xs.const_data_ptr<float>(),
+                                    grad_lower.mutable_data_ptr<float>(),
+                                    grad_diag.mutable_data_ptr<float>(),
+                                    grad_upper.mutable_data_ptr<float>(), z.nsys, z.n, z.k);
+        break;
+      case ScalarType::Double:
+        band_products<double, false>(v.const_data_ptr<double>(), xs.const_data_ptr<double>(),
+                                     grad_lower.mutable_data_ptr<double>(),
+                                     grad_diag.mutable_data_ptr<double>(),
+                                     grad_upper.mutable_data_ptr<double>(), z.nsys, z.n, z.k);
+        break;
+      case ScalarType::ComplexFloat:
+        band_products<float, true>(
+            static_cast<const float*>(v.const_data_ptr()),
+            static_cast<const float*>(xs.const_data_ptr()),
+            static_cast<float*>(grad_lower.mutable_data_ptr()),
+            static_cast<float*>(grad_diag.mutable_data_ptr()),
+            static_cast<float*>(grad_upper.mutable_data_ptr()), z.nsys, z.n, z.k);
+        break;
+      default:
+        band_products<double, true>(
+            static_cast<const double*>(v.const_data_ptr()),
+            static_cast<const double*>(xs.const_data_ptr()),
+            static_cast<double*>(grad_lower.mutable_data_ptr()),
+            static_cast<double*>(grad_diag.mutable_data_ptr()),
+            static_cast<double*>(grad_upper.mutable_data_ptr()), z.nsys, z.n, z.k);
+    }
+  }
+  return {grad_lower, grad_diag, grad_upper, v, info_tensor(g, first)};
+}
+
 // What a process without the Python package runs for solve and solve_kernel: the kernel above,
 // for solves without factors; an exactly zero pivot raises RuntimeError with the system's flat
 // index (the Python kernels raise tridiag_tutorial.SingularMatrixError instead).
@@ -1494,11 +1651,14 @@ STABLE_TORCH_LIBRARY(tridiag_tutorial, m) {
   m.def("cpp_solve(Tensor lower, Tensor diag, Tensor upper, Tensor rhs) -> (Tensor, Tensor)");
   m.def("cpp_solve_ex(Tensor lower, Tensor diag, Tensor upper, Tensor rhs, int speculative_min_n) "
         "-> (Tensor, Tensor, Tensor)");
+  m.def("cpp_solve_backward(Tensor lower, Tensor diag, Tensor upper, Tensor x, Tensor grad_x) "
+        "-> (Tensor, Tensor, Tensor, Tensor, Tensor)");
 }
 
 STABLE_TORCH_LIBRARY_IMPL(tridiag_tutorial, CPU, m) {
   m.impl("cpp_solve", TORCH_BOX(&cpp_solve));
   m.impl("cpp_solve_ex", TORCH_BOX(&cpp_solve_ex));
+  m.impl("cpp_solve_backward", TORCH_BOX(&cpp_solve_backward));
 }
 
 STABLE_TORCH_LIBRARY_IMPL(tridiag_tutorial, CompositeExplicitAutograd, m) {
