@@ -15,6 +15,7 @@ from torch.func import vmap
 from tridiag_tutorial import (
     SingularMatrixError,
     accuracy,
+    compiled,
     kernels,
     lapack,
     partitioned,
@@ -147,7 +148,7 @@ def test_a_non_finite_system_does_not_switch_off_the_check_of_another():
 def test_accuracy_results_have_the_expected_structure():
     results = json.loads(RESULTS.read_text())
     assert {"cpu", "torch"} <= set(results["machine"])
-    assert set(results["kernels"]) == {"before", "after"}
+    assert set(results["kernels"]) == {"before", "after", "speculative"}
     for label, entry in results["kernels"].items():
         rows = entry["rows"]
         seen = {(r["family"], r["dtype"]) for r in rows}
@@ -157,9 +158,16 @@ def test_accuracy_results_have_the_expected_structure():
             assert {"n", "systems", "fallbacks", "raised", "lapack_raised", "disagreements"} <= set(r)
             if r["family"] in accuracy.FAMILIES:
                 assert {"median_ratio", "max_ratio", "compared"} <= set(r)
-    after = [r for r in results["kernels"]["after"]["rows"] if r["family"] in accuracy.FAMILIES]
-    assert all(r["max_ratio"] is None or r["max_ratio"] <= 10 for r in after)
-    assert all(r["disagreements"] == 0 for r in results["kernels"]["after"]["rows"])
+    for label in ("after", "speculative"):  # the kernels the package runs
+        rows = results["kernels"][label]["rows"]
+        compared = [r for r in rows if r["family"] in accuracy.FAMILIES]
+        assert all(r["max_ratio"] is None or r["max_ratio"] <= 10 for r in compared), label
+        assert all(r["disagreements"] == 0 for r in rows), label
+    # the speculative solve gives ?gtsv's answer bit for bit: its error is LAPACK's
+    speculative = results["kernels"]["speculative"]["rows"]
+    assert {r["n"] for r in speculative} == set(accuracy.SPECULATIVE_SYSTEMS)
+    assert all(x == 1.0 for r in speculative if "ratios" in r for x in r["ratios"])
+    assert sum(r["compared"] for r in speculative if "ratios" in r) > 100
 
 
 def test_quick_run(tmp_path):
@@ -167,3 +175,23 @@ def test_quick_run(tmp_path):
     results = accuracy.main(["--quick", "--before", "", "--out", str(out)])
     assert json.loads(out.read_text())["kernels"]["after"]["rows"] == results["kernels"]["after"]["rows"]
     assert results["quick"] and "before" not in results["kernels"]
+    if compiled.is_available():  # the speculative solve: ?gtsv's answer, singular or not
+        rows = results["kernels"]["speculative"]["rows"]
+        assert {r["n"] for r in rows} == set(accuracy.QUICK_SPECULATIVE_SYSTEMS)
+        assert all(r["disagreements"] == 0 for r in rows)
+        assert all(x == 1.0 for r in rows if "ratios" in r for x in r["ratios"])
+        assert sum(r["lapack_raised"] for r in rows) == sum(r["raised"] for r in rows) > 0
+
+
+def test_merge_keeps_the_other_kernels(tmp_path):
+    """--kernels and --merge: one kernel measured again, the others' rows kept as they were."""
+    first = tmp_path / "first.json"
+    accuracy.main(["--quick", "--before", "", "--kernels", "after", "--out", str(first)])
+    merged = tmp_path / "merged.json"
+    results = accuracy.main(["--quick", "--kernels", "speculative", "--merge", str(first),
+                             "--out", str(merged)])
+    kept = json.loads(first.read_text())["kernels"]["after"]
+    assert results["kernels"]["after"] == kept
+    assert ("speculative" in results["kernels"]) == compiled.is_available()
+    with pytest.raises(SystemExit):
+        accuracy.main(["--quick", "--kernels", "nonsense"])

@@ -17,6 +17,15 @@ kernel as it is (``after``) and the kernel before refinement was added (``before
 BEFORE:tridiag_tutorial/partitioned.py``, where git and that commit are there) and writes
 both with the machine's description; ``--quick`` runs a small sample. Chapter 15 renders the
 table.
+
+The same families measure the C++ kernel's speculative solve for one large system
+(``speculative``, where the C++ kernel is built): :func:`tridiag_tutorial.compiled.solve_ex`
+with ``speculative_min_n=0``, so that n = 1000 runs it as well as 1e5 (at n = 64 its pieces
+would be too short and it hands every system back). Its fallbacks are the systems it did not
+solve alone (a zero pivot or a value that is not finite sent the system to the sequential
+elimination, or a repair ran through a whole piece), as ``solve_ex`` counts them.
+``--kernels speculative --merge FILE`` measures it alone and adds it to an earlier file.
+Chapter 12 renders its rows.
 """
 
 from __future__ import annotations
@@ -34,16 +43,20 @@ import time
 import numpy as np
 import torch
 
-from . import lapack, partitioned, torch_kernel
+from . import compiled, lapack, partitioned, torch_kernel
 from ._validation import SingularMatrixError
 
-__all__ = ["FAMILIES", "SINGULAR_FAMILIES", "make", "reference", "forward_error", "measure", "main"]
+__all__ = ["FAMILIES", "SINGULAR_FAMILIES", "KERNELS", "make", "reference", "forward_error",
+           "measure", "main"]
 
 FAMILIES = ("random", "zero_diagonal", "dominant", "nearly_singular_block", "badly_scaled_rows")
 SINGULAR_FAMILIES = ("zero_row", "half_row", "scaled_row", "rank1_block")
 SIZES = (64, 1000, 100_000)
 SYSTEMS = {64: 60, 1000: 20, 100_000: 2}  # per family, dtype and size
 QUICK_SYSTEMS = {64: 4, 1000: 2}
+SPECULATIVE_SYSTEMS = {1000: 20, 100_000: 2}  # sizes where the speculative solve runs
+QUICK_SPECULATIVE_SYSTEMS = {1000: 2}
+KERNELS = ("before", "after", "speculative")
 BEFORE = "93bdc291639554c9d498c6a6c61db8788cd152a7"  # the last commit whose kernel had a check alone, no refinement
 SINGULAR_MAX_N = 1000  # singular families are measured up to this size
 SCALE_EXPONENT = {np.float32: 30, np.float64: 150}  # badly scaled rows: 10^U(-e, e)
@@ -165,13 +178,23 @@ def _kernel_solve(solve, system):
     return x.numpy(), bool(calls)
 
 
-def measure(solve, families=FAMILIES, singular=SINGULAR_FAMILIES, systems=None, log=None):
-    """Rows for ``solve`` (a partitioned kernel's ``solve``): one per family, dtype and size, with
+def _speculative_solve(system):
+    """``(x, fell_back)`` of the C++ kernel's speculative solve on one system, from any size
+    (``speculative_min_n=0``); raises :class:`~tridiag_tutorial.SingularMatrixError`."""
+    x, fallbacks = compiled.solve_ex(*_torch(*system), speculative_min_n=0)
+    return x.numpy(), fallbacks > 0
+
+
+def measure(solve, families=FAMILIES, singular=SINGULAR_FAMILIES, systems=None, log=None,
+            run=None):
+    """Rows for ``solve`` (a partitioned kernel's ``solve``), or for ``run`` (``run(system)``
+    gives ``(x, fell_back)``, as :func:`_speculative_solve`): one per family, dtype and size, with
     ``median_ratio``, ``max_ratio`` (kernel error / LAPACK error where LAPACK's is below 1e-2),
     ``compared``, ``fallbacks``, ``raised``, ``max_lapack_error`` and every ``ratios`` (3
     significant digits); singular families with
     ``lapack_raised``, ``kernel_raised`` and ``disagreements``."""
     systems = systems or SYSTEMS
+    run = run or (lambda system: _kernel_solve(solve, system))
     rows = []
     for family in tuple(families) + tuple(singular):
         for dtype in (np.float32, np.float64):
@@ -187,7 +210,7 @@ def measure(solve, families=FAMILIES, singular=SINGULAR_FAMILIES, systems=None, 
                     except SingularMatrixError:
                         lapack_error = "raised"
                     try:
-                        x, fell_back = _kernel_solve(solve, system)
+                        x, fell_back = run(system)
                         kernel_error = None
                     except SingularMatrixError:
                         kernel_error, fell_back = "raised", True
@@ -253,21 +276,41 @@ def main(argv=None) -> dict:
     parser.add_argument("--before", default=BEFORE,
                         help="git revision of the kernel to compare with (default: the last one "
                              "without refinement; '' for none)")
+    parser.add_argument("--kernels", default=",".join(KERNELS),
+                        help="which to measure, of " + ", ".join(KERNELS) + " (default: all; "
+                             "speculative only where the C++ kernel is built)")
+    parser.add_argument("--merge", help="start from this earlier results file (its other "
+                                        "kernels' rows are kept)")
     args = parser.parse_args(argv)
     from .benchmarks import machine_info
 
+    wanted = [k.strip() for k in args.kernels.split(",") if k.strip()]
+    unknown = sorted(set(wanted) - set(KERNELS))
+    if unknown:
+        parser.error(f"unknown kernels {unknown}; choose from {', '.join(KERNELS)}")
     systems = QUICK_SYSTEMS if args.quick else SYSTEMS
-    kernels = {"after": partitioned}
-    old = committed_kernel(args.before) if args.before else None
+    kernels = {}
+    old = committed_kernel(args.before) if args.before and "before" in wanted else None
     if old is not None:
-        kernels = {"before": old, **kernels}
+        kernels["before"] = dict(run=None, solve=old.solve, systems=systems)
+    if "after" in wanted:
+        kernels["after"] = dict(run=None, solve=partitioned.solve, systems=systems)
+    if "speculative" in wanted and compiled.is_available():
+        kernels["speculative"] = dict(
+            run=_speculative_solve, solve=None,
+            systems=QUICK_SPECULATIVE_SYSTEMS if args.quick else SPECULATIVE_SYSTEMS)
     results = {"machine": machine_info(), "quick": args.quick,
                "block": partitioned.BLOCK, "kernels": {}}
-    for label, module in kernels.items():
+    if args.merge:
+        with open(args.merge) as f:
+            results = json.load(f)
+    for label, how in kernels.items():
         start = time.perf_counter()
         print(f"{label}:", file=sys.stderr)
-        rows = measure(module.solve, systems=systems, log=lambda s: print("  " + s, file=sys.stderr))
-        results["kernels"][label] = dict(rows=rows, seconds=round(time.perf_counter() - start, 1))
+        rows = measure(how["solve"], systems=how["systems"], run=how["run"],
+                       log=lambda s: print("  " + s, file=sys.stderr))
+        results["kernels"][label] = dict(rows=rows, seconds=round(time.perf_counter() - start, 1),
+                                         machine=machine_info())
     if args.out:
         with open(args.out, "w") as f:
             json.dump(results, f, indent=1)
