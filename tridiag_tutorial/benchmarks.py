@@ -81,7 +81,7 @@ from scipy.linalg import get_lapack_funcs
 from torch.utils import benchmark
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from . import compiled, kernels, rules
+from . import compiled, kernels
 from .autograd_function import tridiagonal_solve_function
 from .custom_op import tridiagonal_solve_custom_op
 from .ops import tridiagonal_lu_factor, tridiagonal_lu_solve, tridiagonal_solve
@@ -915,7 +915,8 @@ SPECULATIVE = "C++ speculative kernel (compiled.solve_ex)"
 def _speculative_callable(args, mode):
     """The C++ kernel's speculative solve (:func:`tridiag_tutorial.compiled.solve_ex`), called
     directly, without the final op's dispatch: forward, or forward + the four gradients as the
-    final op computes them (one more solve, with ``A^T``, and :func:`rules.band_gradients`)."""
+    final op's C++ fast path computes them (:func:`compiled.solve_backward`: one more solve, with
+    ``A^T``, and the band gradients, in one call)."""
     lower, diag, upper = args[:3]
     rhs = args[3].unsqueeze(-1)
     if mode == "forward":
@@ -924,8 +925,7 @@ def _speculative_callable(args, mode):
 
     def forward_backward():
         x, _ = compiled.solve_ex(lower, diag, upper, rhs)
-        v, _ = compiled.solve_ex(upper, diag, lower, ones)
-        return (*rules.band_gradients(v, x), v)
+        return compiled.solve_backward(lower, diag, upper, x, ones)
 
     return forward_backward
 
