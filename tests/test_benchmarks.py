@@ -10,7 +10,16 @@ import pytest
 import torch
 import torch.utils.benchmark
 
-from tridiag_tutorial import _compat, benchmarks, compiled, kernels, lapack, ops, tridiagonal_solve
+from tridiag_tutorial import (
+    _compat,
+    benchmarks,
+    compiled,
+    kernels,
+    lapack,
+    ops,
+    rules,
+    tridiagonal_solve,
+)
 
 from conftest import require_cpp
 
@@ -506,3 +515,27 @@ def test_route_switches_change_the_route_and_restore_it(dispatched):
     finally:
         ops.validate = real_validate
     assert (ops._direct, ops._unobserved, ops._apply, ops._CPP) == saved
+
+
+def test_route_without_the_fused_backward_runs_the_band_products_in_torch_ops(monkeypatch):
+    """The route "without the fused C++ backward" keeps the C++ fast path but replaces
+    compiled.solve_backward by a solve on the C++ kernel and rules.solve_backward in torch ops,
+    with the same gradients, and puts compiled.solve_backward back afterwards."""
+    require_cpp()
+    fused, calls = compiled.solve_backward, []
+    real_rules = rules.solve_backward
+    monkeypatch.setattr(rules, "solve_backward",
+                        lambda *a: calls.append("rules") or real_rules(*a))
+    switch = benchmarks.ROUTES["without the fused C++ backward"][1]
+    for n in (8, compiled.SPECULATIVE_MIN_N + 5):
+        args = benchmarks._problem(n, 0, torch.float64)
+        leaves = [a.clone().requires_grad_() for a in args]
+        expected = torch.autograd.grad(tridiagonal_solve(*leaves).sum(), leaves)
+        assert calls == []  # as installed: the fused op
+        with switch():
+            assert compiled.solve_backward is not fused
+            got = torch.autograd.grad(tridiagonal_solve(*leaves).sum(), leaves)
+        assert calls == ["rules"] and compiled.solve_backward is fused
+        calls.clear()
+        for g, want in zip(got, expected):
+            torch.testing.assert_close(g, want)

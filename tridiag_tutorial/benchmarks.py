@@ -1080,6 +1080,21 @@ def _with_function_apply():
     return _patched(ops, _CPP=False, _apply=lambda *args: ops._TridiagonalSolve.apply(*args))
 
 
+def _without_fused_backward():
+    """The final op whose C++ fast path runs its backward as before ``cpp_solve_backward``: the
+    solve with ``A^H`` on the C++ kernel (:func:`compiled.solve`) and the band gradients in torch
+    ops (:func:`rules.solve_backward`), in place of the one C++ call."""
+    from . import ops, rules
+
+    def unfused(lower, diag, upper, x, grad_x):
+        column = (lambda t: t.unsqueeze(-1)) if x.dim() == diag.dim() else (lambda t: t)
+        *bands, v = rules.solve_backward(compiled.solve, lower, diag, upper, column(x),
+                                         column(grad_x))
+        return (*bands, v.reshape(x.shape))
+
+    return _patched(ops.compiled, solve_backward=unfused)
+
+
 # route -> (function, context factory or None, what the route's row tells)
 ROUTES = {
     ROUTE_AS_INSTALLED: (tridiagonal_solve, None, "the final op, driver=None"),
@@ -1087,6 +1102,10 @@ ROUTES = {
         tridiagonal_solve, _without_cpp_fast_path,
         "justifies ops._solve_on_cpp (the C++ op checks the inputs, no Python validation; with "
         "gradients, ops._CppSolve)"),
+    "without the fused C++ backward": (
+        tridiagonal_solve, _without_fused_backward,
+        "justifies compiled.solve_backward (the fast path's backward in one C++ call, not a "
+        "solve and the band products in torch ops)"),
     "without direct kernel calls": (
         tridiagonal_solve, _without_direct_kernel,
         "justifies ops._unobserved / ops._direct (kernels called without the dispatcher)"),

@@ -32,6 +32,9 @@ sequential kernel (``tests/test_speculative.py``). :func:`solve_ex` tells how of
 :class:`~tridiag_tutorial.SingularMatrixError` for a singular system. The op itself returns
 ``(x, info)`` (``info`` = ``-1`` or ``system * n + pivot``), because an extension on the stable
 ABI cannot raise ``torch.linalg.LinAlgError``; the error is raised here, in Python.
+:func:`solve_backward` (the op ``cpp_solve_backward``) is the reverse mode of :func:`solve` in
+one call: the solve with ``A^H`` on the same kernel and the three band gradients, which the final
+op's C++ fast path calls in its backward.
 """
 
 from __future__ import annotations
