@@ -1534,6 +1534,17 @@ void band_products(const R* V, const R* X, R* GL, R* GD, R* GU, int64_t nsys, in
   });
 }
 
+// band_products on tensors: v and x C-contiguous of rhs's shape, grads = (grad_lower, grad_diag,
+// grad_upper) new and C-contiguous; complex values read as interleaved reals, as in solve_dtype.
+template <typename R, bool Complex>
+void band_products_of(const Tensor& v, const Tensor& x, const Tensor (&grads)[3], const Sizes& z) {
+  band_products<R, Complex>(static_cast<const R*>(v.const_data_ptr()),
+                            static_cast<const R*>(x.const_data_ptr()),
+                            static_cast<R*>(grads[0].mutable_data_ptr()),
+                            static_cast<R*>(grads[1].mutable_data_ptr()),
+                            static_cast<R*>(grads[2].mutable_data_ptr()), z.nsys, z.n, z.k);
+}
+
 // The values of A^H's band that t is (conj(upper) is A^H's lower band, conj(diag) its diagonal,
 // conj(lower) its upper band), in C order: for a real t, t itself.
 Tensor adjoint_band(const Tensor& t, bool complex) {
@@ -1565,6 +1576,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> cpp_solve_backward(
   Tensor grad_lower = torch::stable::new_empty(d, sizes_of(lower));
   Tensor grad_diag = torch::stable::new_empty(d, sizes_of(diag));
   Tensor grad_upper = torch::stable::new_empty(d, sizes_of(upper));
+  const Tensor g3[3] = {grad_lower, grad_diag, grad_upper};
   std::atomic<int64_t> first{std::numeric_limits<int64_t>::max()};
   int64_t fallbacks = 0;
   if (z.nsys > 0) {
@@ -1572,33 +1584,10 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> cpp_solve_backward(
                 g.const_data_ptr(), v.mutable_data_ptr(), z.nsys, z.n, z.k, first,
                 kSpeculativeMinN, fallbacks);
     switch (dtype) {
-      case ScalarType::Float:
-        band_products<float, false>(v.const_data_ptr<float>(), xs.const_data_ptr<float>(),
-                                    grad_lower.mutable_data_ptr<float>(),
-                                    grad_diag.mutable_data_ptr<float>(),
-                                    grad_upper.mutable_data_ptr<float>(), z.nsys, z.n, z.k);
-        break;
-      case ScalarType::Double:
-        band_products<double, false>(v.const_data_ptr<double>(), xs.const_data_ptr<double>(),
-                                     grad_lower.mutable_data_ptr<double>(),
-                                     grad_diag.mutable_data_ptr<double>(),
-                                     grad_upper.mutable_data_ptr<double>(), z.nsys, z.n, z.k);
-        break;
-      case ScalarType::ComplexFloat:
-        band_products<float, true>(
-            static_cast<const float*>(v.const_data_ptr()),
-            static_cast<const float*>(xs.const_data_ptr()),
-            static_cast<float*>(grad_lower.mutable_data_ptr()),
-            static_cast<float*>(grad_diag.mutable_data_ptr()),
-            static_cast<float*>(grad_upper.mutable_data_ptr()), z.nsys, z.n, z.k);
-        break;
-      default:
-        band_products<double, true>(
-            static_cast<const double*>(v.const_data_ptr()),
-            static_cast<const double*>(xs.const_data_ptr()),
-            static_cast<double*>(grad_lower.mutable_data_ptr()),
-            static_cast<double*>(grad_diag.mutable_data_ptr()),
-            static_cast<double*>(grad_upper.mutable_data_ptr()), z.nsys, z.n, z.k);
+      case ScalarType::Float: band_products_of<float, false>(v, xs, g3, z); break;
+      case ScalarType::Double: band_products_of<double, false>(v, xs, g3, z); break;
+      case ScalarType::ComplexFloat: band_products_of<float, true>(v, xs, g3, z); break;
+      default: band_products_of<double, true>(v, xs, g3, z);
     }
   }
   return {grad_lower, grad_diag, grad_upper, v, info_tensor(g, first)};
