@@ -817,14 +817,14 @@ struct SpecTile {
     }
   }
 
-  // The answer of the W pieces of tile t (x: its rows) into X; false where a value of rows
-  // [from, to) is not finite.
-  static TT_INLINE bool scatter(const Spec<R>& s, int64_t t, const R* x, int64_t from,
-                                int64_t to) {
+  // Rows [from, to) of the W pieces of tile t into X, from x, which holds the pieces' rows
+  // side by side from row x0 on (x0 <= from); false where one of their values is not finite.
+  static TT_INLINE bool scatter(const Spec<R>& s, int64_t t, const R* x, int64_t x0,
+                                int64_t from, int64_t to) {
     const int64_t m = s.m, k = s.k, first = t * W * m;
     V finite[NV];  // stay 0 where every value is finite (inf - inf and NaN are NaN)
     for (int o = 0; o < NV; ++o) finite[o] = V{};
-    for (int64_t e = from * k * W; e < to * k * W; e += W) {
+    for (int64_t e = (from - x0) * k * W; e < (to - x0) * k * W; e += W) {
       for (int o = 0; o < NV; ++o) {
         const V v = ld<V>(x + e + o * VL);
         finite[o] += v - v;
@@ -833,8 +833,8 @@ struct SpecTile {
     int hi = W;  // lanes whose piece lies inside A
     while (hi > 0 && first + hi * m > s.n) --hi;
     constexpr int64_t kBlock = 64;  // a block of rows at a time, as in forward
-    for (int64_t i0 = 0; i0 < m; i0 += kBlock) {
-      const int64_t i1 = std::min(m, i0 + kBlock);
+    for (int64_t i0 = from; i0 < to; i0 += kBlock) {
+      const int64_t i1 = std::min(to, i0 + kBlock);
       const int64_t iv = i0 + (i1 - i0) / VL * VL;  // rows [i0, iv): by transposes, k = 1
       bool transposed[NV];
       for (int g = 0; g < NV; ++g) transposed[g] = false;
@@ -844,18 +844,20 @@ struct SpecTile {
         transposed[g] = true;
         R* Xp[VL];
         for (int c = 0; c < VL; ++c) Xp[c] = s.X + first + (g * VL + c) * m;
-        for (int64_t i = i0; i < iv; i += VL) transpose_out(x + i * W + g * VL, i, Xp);
+        for (int64_t i = i0; i < iv; i += VL) transpose_out(x + (i - x0) * W + g * VL, i, Xp);
       }
 #endif
       for (int w = 0; w < W; ++w) {
         const int64_t r0 = first + w * m;
         if (w < hi && k == 1) {
           R* Xp = s.X + r0;
-          for (int64_t i = transposed[w / VL] ? iv : i0; i < i1; ++i) Xp[i] = x[i * W + w];
+          for (int64_t i = transposed[w / VL] ? iv : i0; i < i1; ++i) Xp[i] = x[(i - x0) * W + w];
           continue;
         }
         for (int64_t i = i0; i < i1 && r0 + i < s.n; ++i) {
-          for (int64_t j = 0; j < k; ++j) s.X[(r0 + i) * k + j] = x[(i * k + j) * W + w];
+          for (int64_t j = 0; j < k; ++j) {
+            s.X[(r0 + i) * k + j] = x[((i - x0) * k + j) * W + w];
+          }
         }
       }
     }
@@ -874,7 +876,7 @@ struct SpecTile {
     backward(s, rows);
     if (s.compact()) {
       keep_edges(s, t, rows);
-      if (!scatter(s, t, rows.x, s.edge, s.m - s.edge)) flags |= kNotFinite;
+      if (!scatter(s, t, rows.x, 0, s.edge, s.m - s.edge)) flags |= kNotFinite;
     }
     return flags;
   }
@@ -970,13 +972,13 @@ TT_AVX2 int tile_avx2(const Spec<double>& s, int64_t t, const TileRows<double>& 
 TT_AVX2 int tile_avx2(const Spec<float>& s, int64_t t, const TileRows<float>& rows) {
   return SpecTile<v8f, 2>::tile(s, t, rows);
 }
-TT_AVX2 bool scatter_avx2(const Spec<double>& s, int64_t t, const double* x, int64_t from,
-                          int64_t to) {
-  return SpecTile<v4d, 2>::scatter(s, t, x, from, to);
+TT_AVX2 bool scatter_avx2(const Spec<double>& s, int64_t t, const double* x, int64_t x0,
+                          int64_t from, int64_t to) {
+  return SpecTile<v4d, 2>::scatter(s, t, x, x0, from, to);
 }
-TT_AVX2 bool scatter_avx2(const Spec<float>& s, int64_t t, const float* x, int64_t from,
-                          int64_t to) {
-  return SpecTile<v8f, 2>::scatter(s, t, x, from, to);
+TT_AVX2 bool scatter_avx2(const Spec<float>& s, int64_t t, const float* x, int64_t x0,
+                          int64_t from, int64_t to) {
+  return SpecTile<v8f, 2>::scatter(s, t, x, x0, from, to);
 }
 // TRIDIAG_TUTORIAL_NO_AVX2=1 in the environment when the library loads: the 16-byte lanes that
 // plain x86-64 and aarch64 use (the tests run them that way on any CPU).
@@ -1032,7 +1034,7 @@ R* workspace(int64_t count) {
 // that is not finite) and -2 where a repair needed a row that a compact workspace lacks.
 template <typename R>
 int run_speculative(Spec<R>& s, bool wide) {
-  const int64_t n = s.n, k = s.k, m = s.m, P = s.P, W = s.W;
+  const int64_t k = s.k, m = s.m, P = s.P, W = s.W;
   const int64_t tiles = P / W, C = s.checkpoints(), rows = P * s.kept;
   s.d = workspace<R, 0>(rows * (3 + 2 * k) + tiles * C * (2 + k) * W + P * (2 + k));
   s.du = s.d + rows;
@@ -1152,36 +1154,26 @@ int run_speculative(Spec<R>& s, bool wide) {
     }
   }
   if (flags.load() & kNotFinite) return -1;
-  if (s.compact()) {  // the kept rows into X; the tiles wrote the others
-    bool finite = true;
-    for (int64_t t = 0; t < tiles; ++t) {
-      for (int64_t w = 0; w < W; ++w) {
-        const int64_t r0 = (t * W + w) * m;  // the piece's first row in A
-        const R* x = s.x + t * s.kept * k * W + w;
-        for (int64_t i = 0; i < s.kept; ++i) {
-          const int64_t r = r0 + (i < s.edge ? i : i + m - s.kept);
-          if (r >= n) break;
-          for (int64_t j = 0; j < k; ++j) {
-            const R v = x[(i * k + j) * W];
-            finite &= std::isfinite(v);
-            s.X[r * k + j] = v;
-          }
-        }
-      }
-    }
-    return finite ? result : -1;
-  }
+  // Into X: with a compact workspace the kept rows (the first and last `edge` of each piece; the
+  // tiles wrote the others), else every row; each tile by the thread that eliminated it, by the
+  // same transposes as the tiles' own scatter.
   std::atomic<bool> finite{true};
   torch::stable::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
-      const R* x = s.x + t * m * k * W;
+      const R* x = s.x + t * s.kept * k * W;
+      const int64_t bottom = m - s.edge, rest = s.compact() ? s.edge : m;
+      bool ok;
 #if TT_HAVE_AVX2
       if (wide) {
-        if (!scatter_avx2(s, t, x, 0, m)) finite.store(false);
-        continue;
-      }
+        ok = scatter_avx2(s, t, x, 0, 0, rest) &&
+             (!s.compact() || scatter_avx2(s, t, x + s.edge * k * W, bottom, bottom, m));
+      } else
 #endif
-      if (!Narrow<R>::T::scatter(s, t, x, 0, m)) finite.store(false);
+      {
+        ok = Narrow<R>::T::scatter(s, t, x, 0, 0, rest) &&
+             (!s.compact() || Narrow<R>::T::scatter(s, t, x + s.edge * k * W, bottom, bottom, m));
+      }
+      if (!ok) finite.store(false);
     }
   });
   return finite.load() ? result : -1;
