@@ -917,6 +917,25 @@ def test_fast_path_with_gradients_runs_cpp_solve(monkeypatch, no_python_validati
     assert_close(g, grads[3])
 
 
+def test_fast_path_with_gradients_unwraps_dead_functorch_wrappers(no_python_validation):
+    """A tensor that leaked out of torch.func.vjp is a dead functorch wrapper of a tensor that
+    requires a gradient: the fast path unwraps it as Function.apply does, so the gradient reaches
+    that tensor (without the unwrapping autograd.grad finds it unused) and equals the plain one."""
+    lower, diag, upper, rhs = make_system(12, seed=79)
+    d0 = diag.clone().requires_grad_()
+    leaked = []
+    torch.func.vjp(lambda d: leaked.append(d) or d * 1, d0)
+    dead = leaked[0]
+    assert torch._C._functorch.is_functorch_wrapped_tensor(dead)
+    x = tridiagonal_solve(lower, dead, upper, rhs)
+    assert type(x.grad_fn).__name__ == "_CppSolveBackward"
+    (g,) = torch.autograd.grad(x.sum(), [d0])
+    d1 = diag.clone().requires_grad_()
+    x_plain = tridiagonal_solve(lower, d1, upper, rhs)
+    (g_plain,) = torch.autograd.grad(x_plain.sum(), [d1])
+    assert torch.equal(x.detach(), x_plain.detach()) and torch.equal(g, g_plain)
+
+
 def test_fast_path_with_gradients_composes(no_python_validation):
     """ops._CppSolve's backward, differentiated again (gradgradcheck, create_graph=True) and
     vmapped by torch.autograd.functional.jacobian(vectorize=True): the general path's

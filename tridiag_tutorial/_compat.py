@@ -14,14 +14,14 @@ import torch
 from torch._C import _functorch
 from torch._C._functorch import TransformType
 from torch._functorch.pyfunctorch import retrieve_all_functorch_interpreters
-from torch._functorch.utils import enable_single_level_autograd_function
-from torch._functorch.utils import unwrap_dead_wrappers as _unwrap_dead_wrappers
+from torch._functorch.utils import enable_single_level_autograd_function, unwrap_dead_wrappers
 from torch.autograd import forward_ad
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 __all__ = ["SingleLevelFunction", "enable_single_level_autograd_function",
            "forward_transform_depth", "differentiation_depth", "mode_active", "transform_active",
-           "forward_ad_active", "is_functorch_tensor", "function_apply", "PYTHON_FUNCTION_APPLY"]
+           "forward_ad_active", "is_functorch_tensor", "function_apply", "base_apply",
+           "unwrap_dead_wrappers", "PYTHON_FUNCTION_APPLY"]
 
 #: An ``autograd.Function`` whose ``apply`` records one autograd node on the tensors it is given,
 #: at the current functorch level, without functorch's ``custom_function_call`` (which needs the
@@ -75,6 +75,14 @@ _FUNCTION_BASE_APPLY = torch._C._FunctionBase.__dict__["apply"]
 PYTHON_FUNCTION_APPLY = torch.autograd.Function.__dict__.get("apply") is not _FUNCTION_BASE_APPLY
 
 
+def base_apply(cls):
+    """The C++ ``_FunctionBase.apply`` bound to ``cls``: ``cls.apply`` without its Python layer,
+    for a caller that knows no ``torch.func`` transform is active and has unwrapped dead functorch
+    wrappers (:func:`unwrap_dead_wrappers`), which is all that layer then does besides binding
+    arguments for a ``setup_context`` (none here: positional arguments only)."""
+    return _FUNCTION_BASE_APPLY.__get__(None, cls)
+
+
 def function_apply(cls, *args):
     """``cls.apply(*args)`` for an ``autograd.Function`` with ``setup_context``, positional
     arguments only, without the :mod:`inspect` binding of the arguments to ``forward``'s
@@ -84,5 +92,4 @@ def function_apply(cls, *args):
     releases whose ``apply`` is the C++ method itself, this is ``cls.apply``."""
     if not PYTHON_FUNCTION_APPLY or torch._C._are_functorch_transforms_active():
         return cls.apply(*args)
-    args = _unwrap_dead_wrappers(args)
-    return _FUNCTION_BASE_APPLY.__get__(None, cls)(*args)
+    return base_apply(cls)(*unwrap_dead_wrappers(args))

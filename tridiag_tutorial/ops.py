@@ -546,13 +546,18 @@ class _CppSolve(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_x):
         lower, diag, upper, x = ctx.saved_tensors
-        needs = ctx.needs_input_grad[:3]
+        need_lower, need_diag, need_upper, _ = ctx.needs_input_grad
         if not (torch.is_grad_enabled() or _compat.forward_ad_active() or not _direct(grad_x)):
-            if not any(needs):  # the gradient of rhs alone: the solve with A^H
+            # (Written flat on purpose: at n = 1e4 the kernel evicts the interpreter from the
+            # caches, and every Python step around it costs several times its usual time.)
+            if not (need_lower or need_diag or need_upper):  # rhs alone: the solve with A^H
                 return None, None, None, compiled.solve(upper.conj(), diag.conj(), lower.conj(),
                                                         grad_x)
-            grads = compiled.solve_backward(lower, diag, upper, x, grad_x)  # one call, in C++
-            return (*(g if need else None for g, need in zip(grads, needs)), grads[3])
+            grad_lower, grad_diag, grad_upper, grad_rhs = compiled.solve_backward(
+                lower, diag, upper, x, grad_x)  # one call, in C++
+            return (grad_lower if need_lower else None, grad_diag if need_diag else None,
+                    grad_upper if need_upper else None, grad_rhs)
+        needs = (need_lower, need_diag, need_upper)
 
         def solve(lower, diag, upper, rhs):  # differentiable, and it knows transforms
             return _apply(lower, diag, upper, rhs, None, None, "N", "cpp")
@@ -560,6 +565,9 @@ class _CppSolve(torch.autograd.Function):
         column = (lambda t: t.unsqueeze(-1)) if x.dim() == diag.dim() else (lambda t: t)
         grads = _band_grads_and_rhs(solve, needs, lower, diag, upper, column(x), column(grad_x))
         return (*grads[:3], grads[3].reshape(x.shape))
+
+
+_CPP_SOLVE_APPLY = _compat.base_apply(_CppSolve)  # _CppSolve.apply without its Python layer
 
 
 def _solve_on_cpp(lower, diag, upper, rhs):
@@ -591,7 +599,9 @@ def _solve_on_cpp(lower, diag, upper, rhs):
             return None, driver
         if torch.is_grad_enabled() and (lower.requires_grad or diag.requires_grad
                                         or upper.requires_grad or rhs.requires_grad):
-            return _CppSolve.apply(lower, diag, upper, rhs), None
+            # Function.apply less its Python layer (no transform is active here, and _CppSolve
+            # has no setup_context): what it does then, in one call.
+            return _CPP_SOLVE_APPLY(*_compat.unwrap_dead_wrappers((lower, diag, upper, rhs))), None
         return compiled.solve(lower, diag, upper, rhs), None
     except SingularMatrixError:
         raise
