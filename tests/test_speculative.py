@@ -46,11 +46,11 @@ def _cpp():
 # ----------------------------------------------------------------------------------------------
 def piece_rows(n, dtype, width):
     """Rows per piece by the rule of solve_speculative with ``width`` pieces side by side (8
-    doubles or 16 floats, with AVX2 or without): about 1024 rows, at least one tile of ``width``
+    doubles or 16 floats, with AVX2 or without): about 2048 rows, at least one tile of ``width``
     pieces per thread where pieces of 256 rows allow it, a multiple of ``width`` pieces, moved
     off a stride close to a multiple of 4 KiB."""
     size = torch.finfo(dtype).bits // 8
-    pieces = -(-max(width, -(-n // 1024)) // width) * width
+    pieces = -(-max(width, -(-n // 2048)) // width) * width
     pieces = max(pieces, width * min(torch.get_num_threads(), n // (width * 256)))
     m = -(-n // pieces)
     while m * size > 4096 - 512 and not 512 <= (m * size) % 4096 <= 4096 - 512:
@@ -257,7 +257,7 @@ def test_cpp_solve_threshold_is_speculative_min_n():
     with open(source) as f:
         text = f.read()
     assert f"constexpr int64_t kSpeculativeMinN = {compiled.SPECULATIVE_MIN_N};" in text
-    assert "cpp_solve_ex(lower, diag, upper, rhs, kSpeculativeMinN)" in text
+    assert "solve_counted(lower, diag, upper, rhs, kSpeculativeMinN, fallbacks)" in text
 
 
 # ----------------------------------------------------------------------------------------------
@@ -477,6 +477,35 @@ def test_same_bits_on_any_thread_count(dtype, threads):
         torch.set_num_threads(threads)
         for args, e in zip(systems, expected):
             assert_same_bits(compiled.solve_ex(*args)[0], e, f"{threads} threads")
+    finally:
+        torch.set_num_threads(original)
+
+
+@pytest.mark.parametrize("dtype", REAL_DTYPES, ids=str)
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("where", ["inside_a_tile", "between_tiles"])
+def test_a_join_that_does_not_merge(dtype, threads, where):
+    """The joins of the pieces are repaired tile by tile, each tile's by the thread that
+    eliminated it, and the joins between tiles after; where one of them does not merge (here: 300
+    rows of the 1-D Laplacian across it, where elimination forgets its start slowly), the kernel
+    repairs every join again, phase by phase. Either way: ?gtsv's bits, in a dominant system."""
+    n = 40_000
+    original = torch.get_num_threads()
+    try:
+        torch.set_num_threads(threads)
+        width = BLOCK[dtype]
+        m = piece_rows(n, dtype, width)
+        if where == "between_tiles":
+            assert n > width * m, "the system has a second tile"
+        join = m if where == "inside_a_tile" else width * m
+        lower, diag, upper, rhs = make_family("dominant", n, dtype, 1, seed=21)
+        diag[join - 150:join + 150] = 2
+        lower[join - 150:join + 150] = upper[join - 150:join + 150] = -1
+        expected = gtsv(lower, diag, upper, rhs)[0]
+        x, fallbacks = compiled.solve_ex(lower, diag, upper, rhs)
+        assert_same_bits(x, expected, f"{where}, {threads} threads")
+        clean = compiled.solve_ex(*make_family("dominant", n, dtype, 1, seed=21))
+        assert clean[1] == 0
     finally:
         torch.set_num_threads(original)
 

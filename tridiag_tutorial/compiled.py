@@ -18,7 +18,7 @@ bit, NaN included, and it reports a zero pivot exactly where ``?gtsv`` does
 
 One real system of ``n >= SPECULATIVE_MIN_N`` unknowns (or each of a batch smaller than a block)
 goes to the *speculative* kernel instead (:func:`solve_ex`, the op ``cpp_solve_ex``, takes that
-size as an argument and says how often it fell back). The rows are cut into pieces of about 1024, the
+size as an argument and says how often it fell back). The rows are cut into pieces of about 2048, the
 pieces are eliminated side by side (8 chains in flight in double precision, 16 in single, in
 AVX2 registers where the CPU has them), each starting as if the rows above it changed nothing,
 and a short repair then runs the true elimination from the piece above until it computes the

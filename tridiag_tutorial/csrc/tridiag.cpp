@@ -515,7 +515,10 @@ struct Lane<v8f> {
 // W) to the speculative kernel: from there on it measured faster than the sequential kernel
 // (compiled.SPECULATIVE_MIN_N is the same number). cpp_solve_ex takes the size as an argument.
 constexpr int64_t kSpeculativeMinN = 1024;
-constexpr int64_t kPieceRows = 1024;       // the target m (measured: 512 to 2048 within 15%)
+constexpr int64_t kPieceRows = 2048;
+        // the target m (measured, one thread, AMD EPYC: 2048 rows took 0.89 to 0.94 of the time
+        // of 1024 in float64 at n = 3e4 to 1e6, 0.91 to 0.96 in float32; 4096 no better but at
+        // n = 1e6 in float32, with twice the tile scratch)
 constexpr int64_t kMinPieceRows = 256;     // the least m when pieces are cut smaller for threads
 constexpr int64_t kRepairGrain = 32;
         // pieces a thread repairs at least: a repair takes tens of rows, well under a
@@ -1028,12 +1031,58 @@ R* workspace(int64_t count) {
   return buffer.get();
 }
 
+// The back substitution of piece q's rows [0, top) again (a forward repair rewrote their pivot
+// rows), upward from the values of rows top and top + 1 (past the piece: the guess of zero).
+template <typename R>
+void redo_top(const Spec<R>& s, int64_t q, int64_t top) {
+  const int64_t m = s.m;
+  for (int64_t j = 0; j < s.k; ++j) {
+    R xa = top < m ? s.x[s.atb(q, top, j)] : R(0);
+    R xb = top + 1 < m ? s.x[s.atb(q, top + 1, j)] : R(0);
+    for (int64_t i = top - 1; i >= 0; --i) {
+      const int64_t e = s.at(q, i), eb = s.atb(q, i, j);
+      const R v = ((s.b[eb] - s.du[e] * xa) - s.dl[e] * xb) / s.d[e];
+      s.x[eb] = v;
+      xb = xa;
+      xa = v;
+    }
+  }
+}
+
+// The repairs of the join between piece q - 1 and piece q, for a compact workspace: the forward
+// repair of q from q - 1's speculative last state, the back substitution of q's first rows again,
+// and the backward repair of q - 1 from q's first two values (kept in tops). With a compact
+// workspace a forward repair only touches the first `edge` rows of a piece (and the last row of
+// the piece above) and a backward repair only the last `edge`, so the joins can be repaired in
+// any order, each by itself; the answer is that of run_speculative's phases, one after another,
+// wherever every repair merges. Returns false where one did not (the caller then runs those
+// phases).
+template <typename R>
+bool repair_join(const Spec<R>& s, int64_t q, R* state, int64_t& reach, R* tops) {
+  const int64_t k = s.k;
+  std::copy(s.ends + (q - 1) * (2 + k), s.ends + q * (2 + k), state);
+  reach = -1;
+  if (repair_forward(s, q, state, reach) != Repair::kMerged) return false;
+  redo_top(s, q, reach);
+  for (int64_t j = 0; j < k; ++j) {
+    const R xa = s.x[s.atb(q, 0, j)], xb = s.x[s.atb(q, 1, j)];
+    tops[(q * k + j) * 2] = xa;
+    tops[(q * k + j) * 2 + 1] = xb;
+    if (repair_backward(s, q - 1, j, xa, xb) != Repair::kMerged) return false;
+  }
+  return true;
+}
+
 // One run of the speculative kernel on the pieces that s describes, its workspace kept whole
 // (s.kept = s.m) or compact. Returns 0 where it solved the system, 1 where a repair went through
 // a whole piece (the answer is still ?gtsv's), -1 where it could not (a zero pivot or a value
 // that is not finite) and -2 where a repair needed a row that a compact workspace lacks.
+// joined (a compact workspace only): each thread repairs the joins inside the tiles it has just
+// eliminated, while their rows are still in its core's cache, and the joins between tiles are
+// repaired after (repair_join), instead of the phases below, each over all the pieces, one
+// after another; where a repair does not merge, it returns -3 and the caller runs those phases.
 template <typename R>
-int run_speculative(Spec<R>& s, bool wide) {
+int run_speculative(Spec<R>& s, bool wide, bool joined = false) {
   const int64_t k = s.k, m = s.m, P = s.P, W = s.W;
   const int64_t tiles = P / W, C = s.checkpoints(), rows = P * s.kept;
   s.d = workspace<R, 0>(rows * (3 + 2 * k) + tiles * C * (2 + k) * W + P * (2 + k));
@@ -1046,8 +1095,13 @@ int run_speculative(Spec<R>& s, bool wide) {
   // Every tile: eliminated, substituted back and (compact) written out, in the workspace itself
   // or in a scratch of its thread's.
   std::atomic<int> flags{0};
+  joined = joined && s.compact();
+  std::vector<R> tops(P * k * 2);  // the first two values of each piece a backward repair used
+  std::unique_ptr<int64_t[]> reach(new int64_t[P]);
+  std::atomic<bool> merged{true};
   torch::stable::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
     R* scratch = s.compact() ? workspace<R, 1>(m * W * (3 + 2 * k)) : nullptr;
+    std::vector<R> state(joined ? 2 + k : 0);
     for (int64_t t = begin; t < end; ++t) {
       TileRows<R> rows{s.d + t * m * W, s.du + t * m * W, s.dl + t * m * W,
                        s.b + t * m * k * W, s.x + t * m * k * W};
@@ -1055,102 +1109,123 @@ int run_speculative(Spec<R>& s, bool wide) {
         rows = {scratch, scratch + m * W, scratch + 2 * m * W, scratch + 3 * m * W,
                 scratch + (3 + k) * m * W};
       }
+      int f;
 #if TT_HAVE_AVX2
       if (wide) {
-        flags.fetch_or(tile_avx2(s, t, rows));
-        continue;
-      }
+        f = tile_avx2(s, t, rows);
+      } else
 #endif
-      flags.fetch_or(Narrow<R>::T::tile(s, t, rows));
-    }
-  });
-  if (flags.load() & kZeroPivot) return -1;
-  // Forward repairs: all at once, each from the speculative state above it (ends); then, in
-  // order, again below each piece that a repair went through (its last row's state changed).
-  std::unique_ptr<Repair[]> how(new Repair[P]);
-  std::unique_ptr<int64_t[]> reach(new int64_t[P]);
-  std::vector<R> states(P * (2 + k));
-  torch::stable::parallel_for(1, P, kRepairGrain, [&](int64_t begin, int64_t end) {
-    for (int64_t q = begin; q < end; ++q) {
-      R* state = &states[q * (2 + k)];
-      std::copy(s.ends + (q - 1) * (2 + k), s.ends + q * (2 + k), state);
-      reach[q] = -1;
-      how[q] = repair_forward(s, q, state, reach[q]);
-    }
-  });
-  int result = 0;
-  for (int64_t q = 1; q < P; ++q) {
-    if (how[q] == Repair::kFar) return -2;
-  }
-  for (int64_t q = 1; q < P; ++q) {
-    if (how[q] == Repair::kBad) return -1;
-    if (how[q] != Repair::kThrough) continue;
-    result = 1;
-    if (q + 1 == P) {  // the last row of all: its state is its final pivot
-      const int64_t e = s.at(q, m - 1);
-      s.d[e] = states[q * (2 + k)];
-      s.du[e] = states[q * (2 + k) + 1];
-      for (int64_t j = 0; j < k; ++j) s.b[s.atb(q, m - 1, j)] = states[q * (2 + k) + 2 + j];
-      break;
-    }
-    R* next = &states[(q + 1) * (2 + k)];
-    std::copy(&states[q * (2 + k)], &states[(q + 1) * (2 + k)], next);
-    how[q + 1] = repair_forward(s, q + 1, next, reach[q + 1]);
-  }
-  if (s.d[s.at(P - 1, m - 1)] == R(0)) return -1;  // ?gtsv's check of the last pivot
-  // The repairs rewrote the pivot rows of the first reach[q] rows of each piece q (all of them
-  // where one went through): their speculative back substitution used the old ones. Run it
-  // again there, upward from the first row the repair left alone (below the piece: the same
-  // guess of zero). The last row of the piece above also changed: its backward repair, which
-  // starts there, takes care of it.
-  torch::stable::parallel_for(1, P, kRepairGrain, [&](int64_t begin, int64_t end) {
-    for (int64_t q = begin; q < end; ++q) {
-      const int64_t top = std::min(reach[q], m);
-      for (int64_t j = 0; j < k; ++j) {
-        R xa = top < m ? s.x[s.atb(q, top, j)] : R(0);
-        R xb = top + 1 < m ? s.x[s.atb(q, top + 1, j)] : R(0);
-        for (int64_t i = top - 1; i >= 0; --i) {
-          const int64_t e = s.at(q, i), eb = s.atb(q, i, j);
-          const R v = ((s.b[eb] - s.du[e] * xa) - s.dl[e] * xb) / s.d[e];
-          s.x[eb] = v;
-          xb = xa;
-          xa = v;
+      {
+        f = Narrow<R>::T::tile(s, t, rows);
+      }
+      flags.fetch_or(f);
+      // The joins inside the tile, by the thread that eliminated it.
+      for (int64_t q = t * W + 1; joined && !(f & kZeroPivot) && q < (t + 1) * W; ++q) {
+        if (!repair_join(s, q, state.data(), reach[q], tops.data())) {
+          merged.store(false);
+          break;
         }
       }
     }
   });
-  // Backward repairs: all at once from the speculative values of the first two rows below
-  // (tops), then upward again above each piece that a repair went through.
-  std::vector<R> tops(P * k * 2);
-  for (int64_t q = 1; q < P; ++q) {
-    for (int64_t j = 0; j < k; ++j) {
-      tops[(q * k + j) * 2] = s.x[s.atb(q, 0, j)];
-      tops[(q * k + j) * 2 + 1] = s.x[s.atb(q, 1, j)];
+  if (flags.load() & kZeroPivot) return -1;
+  if (joined) {
+    if (flags.load() & kNotFinite) return -1;  // (as the phases below would, at their end)
+    if (!merged.load()) return -3;
+    // The joins between tiles (their rows are in other cores' caches: few, spread as repairs).
+    const int64_t grain = std::max<int64_t>(1, kRepairGrain / W);
+    torch::stable::parallel_for(1, tiles, grain, [&](int64_t begin, int64_t end) {
+      std::vector<R> state(2 + k);
+      for (int64_t t = begin; t < end; ++t) {
+        if (!repair_join(s, t * W, state.data(), reach[t * W], tops.data())) merged.store(false);
+      }
+    });
+    if (!merged.load()) return -3;
+    if (s.d[s.at(P - 1, m - 1)] == R(0)) return -1;  // ?gtsv's check of the last pivot
+    // (Every piece's first two values are still those its upper neighbour's repair used: a
+    // repair that merged did not reach them. Checked all the same, as below.)
+    for (int64_t q = 1; q < P; ++q) {
+      for (int64_t j = 0; j < k; ++j) {
+        if (!same_bits(s.x[s.atb(q, 0, j)], tops[(q * k + j) * 2]) ||
+            !same_bits(s.x[s.atb(q, 1, j)], tops[(q * k + j) * 2 + 1])) {
+          return -3;
+        }
+      }
     }
   }
-  std::atomic<int> through{0};  // bit 1: a repair went through a piece; bit 2: one went far
-  torch::stable::parallel_for(0, P - 1, kRepairGrain, [&](int64_t begin, int64_t end) {
-    for (int64_t q = begin; q < end; ++q) {
+  int result = 0;
+  if (!joined) {
+    // Forward repairs: all at once, each from the speculative state above it (ends); then, in
+    // order, again below each piece that a repair went through (its last row's state changed).
+    std::unique_ptr<Repair[]> how(new Repair[P]);
+    std::vector<R> states(P * (2 + k));
+    torch::stable::parallel_for(1, P, kRepairGrain, [&](int64_t begin, int64_t end) {
+      for (int64_t q = begin; q < end; ++q) {
+        R* state = &states[q * (2 + k)];
+        std::copy(s.ends + (q - 1) * (2 + k), s.ends + q * (2 + k), state);
+        reach[q] = -1;
+        how[q] = repair_forward(s, q, state, reach[q]);
+      }
+    });
+    for (int64_t q = 1; q < P; ++q) {
+      if (how[q] == Repair::kFar) return -2;
+    }
+    for (int64_t q = 1; q < P; ++q) {
+      if (how[q] == Repair::kBad) return -1;
+      if (how[q] != Repair::kThrough) continue;
+      result = 1;
+      if (q + 1 == P) {  // the last row of all: its state is its final pivot
+        const int64_t e = s.at(q, m - 1);
+        s.d[e] = states[q * (2 + k)];
+        s.du[e] = states[q * (2 + k) + 1];
+        for (int64_t j = 0; j < k; ++j) s.b[s.atb(q, m - 1, j)] = states[q * (2 + k) + 2 + j];
+        break;
+      }
+      R* next = &states[(q + 1) * (2 + k)];
+      std::copy(&states[q * (2 + k)], &states[(q + 1) * (2 + k)], next);
+      how[q + 1] = repair_forward(s, q + 1, next, reach[q + 1]);
+    }
+    if (s.d[s.at(P - 1, m - 1)] == R(0)) return -1;  // ?gtsv's check of the last pivot
+    // The repairs rewrote the pivot rows of the first reach[q] rows of each piece q (all of them
+    // where one went through): their speculative back substitution used the old ones. Run it
+    // again there, upward from the first row the repair left alone (below the piece: the same
+    // guess of zero). The last row of the piece above also changed: its backward repair, which
+    // starts there, takes care of it.
+    torch::stable::parallel_for(1, P, kRepairGrain, [&](int64_t begin, int64_t end) {
+      for (int64_t q = begin; q < end; ++q) redo_top(s, q, std::min(reach[q], m));
+    });
+    // Backward repairs: all at once from the speculative values of the first two rows below
+    // (tops), then upward again above each piece that a repair went through.
+    for (int64_t q = 1; q < P; ++q) {
       for (int64_t j = 0; j < k; ++j) {
-        const Repair r = repair_backward(s, q, j, tops[((q + 1) * k + j) * 2],
-                                         tops[((q + 1) * k + j) * 2 + 1]);
-        if (r != Repair::kMerged) through.fetch_or(r == Repair::kFar ? 2 : 1);
+        tops[(q * k + j) * 2] = s.x[s.atb(q, 0, j)];
+        tops[(q * k + j) * 2 + 1] = s.x[s.atb(q, 1, j)];
       }
     }
-  });
-  if (through.load() & 2) return -2;
-  if (through.load() & 1) result = 1;
-  // From the bottom up: where a piece's first two values are not those its upper neighbour's
-  // repair started from, that repair runs again from the values now there.
-  for (int64_t j = 0; j < k; ++j) {
-    for (int64_t q = P - 2; q >= 0; --q) {
-      const R xa = s.x[s.atb(q + 1, 0, j)], xb = s.x[s.atb(q + 1, 1, j)];
-      if (same_bits(xa, tops[((q + 1) * k + j) * 2]) &&
-          same_bits(xb, tops[((q + 1) * k + j) * 2 + 1])) {
-        continue;
+    std::atomic<int> through{0};  // bit 1: a repair went through a piece; bit 2: one went far
+    torch::stable::parallel_for(0, P - 1, kRepairGrain, [&](int64_t begin, int64_t end) {
+      for (int64_t q = begin; q < end; ++q) {
+        for (int64_t j = 0; j < k; ++j) {
+          const Repair r = repair_backward(s, q, j, tops[((q + 1) * k + j) * 2],
+                                           tops[((q + 1) * k + j) * 2 + 1]);
+          if (r != Repair::kMerged) through.fetch_or(r == Repair::kFar ? 2 : 1);
+        }
       }
-      result = 1;
-      if (repair_backward(s, q, j, xa, xb) == Repair::kFar) return -2;
+    });
+    if (through.load() & 2) return -2;
+    if (through.load() & 1) result = 1;
+    // From the bottom up: where a piece's first two values are not those its upper neighbour's
+    // repair started from, that repair runs again from the values now there.
+    for (int64_t j = 0; j < k; ++j) {
+      for (int64_t q = P - 2; q >= 0; --q) {
+        const R xa = s.x[s.atb(q + 1, 0, j)], xb = s.x[s.atb(q + 1, 1, j)];
+        if (same_bits(xa, tops[((q + 1) * k + j) * 2]) &&
+            same_bits(xb, tops[((q + 1) * k + j) * 2 + 1])) {
+          continue;
+        }
+        result = 1;
+        if (repair_backward(s, q, j, xa, xb) == Repair::kFar) return -2;
+      }
     }
   }
   if (flags.load() & kNotFinite) return -1;
@@ -1214,7 +1289,8 @@ int solve_speculative(const R* L, const R* D, const R* U, const R* B, R* X, int6
   if (m >= 4 * kEdge) {
     s.edge = kEdge;
     s.kept = 2 * kEdge;
-    const int how = run_speculative(s, wide);
+    int how = run_speculative(s, wide, true);
+    if (how == -3) how = run_speculative(s, wide);
     if (how != -2) return how;
   }
   s.edge = s.kept = m;
@@ -1441,6 +1517,25 @@ std::vector<int64_t> sizes_of(const Tensor& t) {
   return shape;
 }
 
+// cpp_solve_ex without its third output: x and info, and the count of fallbacks in `fallbacks`.
+std::tuple<Tensor, Tensor> solve_counted(const Tensor& lower, const Tensor& diag,
+                                         const Tensor& upper, const Tensor& rhs,
+                                         int64_t speculative_min_n, int64_t& fallbacks) {
+  const Sizes z = check_inputs(lower, diag, upper, rhs);
+  const ScalarType dtype = diag.scalar_type();
+  const bool c = is_complex(dtype);
+  const Tensor l = dense_values(lower, c), d = dense_values(diag, c), u = dense_values(upper, c),
+               b = dense_values(rhs, c);
+  Tensor x = torch::stable::new_empty(b, sizes_of(rhs));  // C-contiguous, rhs's dtype and device
+  std::atomic<int64_t> first{std::numeric_limits<int64_t>::max()};
+  if (z.nsys > 0) {
+    solve_dtype(dtype, l.const_data_ptr(), d.const_data_ptr(), u.const_data_ptr(),
+                b.const_data_ptr(), x.mutable_data_ptr(), z.nsys, z.n, z.k, first,
+                speculative_min_n, fallbacks);
+  }
+  return {x, info_tensor(b, first)};
+}
+
 // cpp_solve_ex(lower, diag, upper, rhs, speculative_min_n) -> (x, info, fallbacks): cpp_solve
 // with the size from which one real system (or each of fewer than W) goes to the speculative
 // kernel (cpp_solve: kSpeculativeMinN), and how many such systems were not solved by it alone (a
@@ -1449,28 +1544,18 @@ std::vector<int64_t> sizes_of(const Tensor& t) {
 std::tuple<Tensor, Tensor, Tensor> cpp_solve_ex(const Tensor& lower, const Tensor& diag,
                                                 const Tensor& upper, const Tensor& rhs,
                                                 int64_t speculative_min_n) {
-  const Sizes z = check_inputs(lower, diag, upper, rhs);
-  const ScalarType dtype = diag.scalar_type();
-  const bool c = is_complex(dtype);
-  const Tensor l = dense_values(lower, c), d = dense_values(diag, c), u = dense_values(upper, c),
-               b = dense_values(rhs, c);
-  Tensor x = torch::stable::new_empty(b, sizes_of(rhs));  // C-contiguous, rhs's dtype and device
-  std::atomic<int64_t> first{std::numeric_limits<int64_t>::max()};
   int64_t fallbacks = 0;
-  if (z.nsys > 0) {
-    solve_dtype(dtype, l.const_data_ptr(), d.const_data_ptr(), u.const_data_ptr(),
-                b.const_data_ptr(), x.mutable_data_ptr(), z.nsys, z.n, z.k, first,
-                speculative_min_n, fallbacks);
-  }
-  Tensor count = torch::stable::new_empty(b, {}, ScalarType::Long);
+  auto [x, info] = solve_counted(lower, diag, upper, rhs, speculative_min_n, fallbacks);
+  Tensor count = torch::stable::new_empty(info, {}, ScalarType::Long);
   *count.mutable_data_ptr<int64_t>() = fallbacks;
-  return {x, info_tensor(b, first), count};
+  return {x, info, count};
 }
 
+// (Without the count: one tensor fewer to allocate, on every call of the final op.)
 std::tuple<Tensor, Tensor> cpp_solve(const Tensor& lower, const Tensor& diag, const Tensor& upper,
                                      const Tensor& rhs) {
-  auto [x, info, fallbacks] = cpp_solve_ex(lower, diag, upper, rhs, kSpeculativeMinN);
-  return {x, info};
+  int64_t fallbacks = 0;
+  return solve_counted(lower, diag, upper, rhs, kSpeculativeMinN, fallbacks);
 }
 
 // The bands of -v x^H summed over the k columns (rules.band_gradients), for nsys systems of n
