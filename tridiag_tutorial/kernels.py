@@ -64,7 +64,7 @@ def choose_driver(device_type: str, dtype: torch.dtype, batch: int, n: int, cpp:
       batches of 1024 to 100000, 0.4 to 1.0 on one system of n <= 1000 (the fixed cost of the
       call dominates). One real system of ``compiled.SPECULATIVE_MIN_N`` unknowns or more goes to
       the kernel's speculative solve, which keeps many elimination chains of the one system in
-      flight: the op took 0.26 to 0.46 of raw ``?gtsv``'s time on one thread at n = 1e4 to 1e6
+      flight: the op took 0.15 to 0.32 of raw ``?gtsv``'s time on one thread at n = 1e4 to 1e6
       (``--one-system-only``; chapter 12). One complex system has no such solve: above 3000
       unknowns the C++ kernel measured within 10% of LAPACK (0.9 to 1.0 of its time at
       n = 1e4 and 1e5), so it stays on LAPACK.
