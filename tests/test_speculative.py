@@ -11,6 +11,7 @@ gradients that the op's backward would compute with it.
 Bitwise means the bits: values are compared as integers (so -0.0 differs from 0.0), and NaN
 only in where it is (its payload is not compared)."""
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -57,6 +58,17 @@ def piece_rows(n, dtype, width):
         pieces += width
         m = -(-n // pieces)
     return m
+
+
+@contextlib.contextmanager
+def num_threads(threads):
+    """torch's thread count set to ``threads`` inside the block, restored after it."""
+    original = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(original)
 
 
 def middle_boundaries(n, dtype):
@@ -472,13 +484,9 @@ def test_same_bits_on_any_thread_count(dtype, threads):
                make_family("zero_diagonal", 10_006, dtype, 2, seed=12),
                make_family("random", 20_001, dtype, 3, seed=13)]
     expected = [gtsv(*args)[0] for args in systems]
-    original = torch.get_num_threads()
-    try:
-        torch.set_num_threads(threads)
+    with num_threads(threads):
         for args, e in zip(systems, expected):
             assert_same_bits(compiled.solve_ex(*args)[0], e, f"{threads} threads")
-    finally:
-        torch.set_num_threads(original)
 
 
 @pytest.mark.parametrize("dtype", REAL_DTYPES, ids=str)
@@ -490,9 +498,7 @@ def test_a_join_that_does_not_merge(dtype, threads, where):
     rows of the 1-D Laplacian across it, where elimination forgets its start slowly), the kernel
     repairs every join again, phase by phase. Either way: ?gtsv's bits, in a dominant system."""
     n = 40_000
-    original = torch.get_num_threads()
-    try:
-        torch.set_num_threads(threads)
+    with num_threads(threads):
         width = BLOCK[dtype]
         m = piece_rows(n, dtype, width)
         if where == "between_tiles":
@@ -502,12 +508,10 @@ def test_a_join_that_does_not_merge(dtype, threads, where):
         diag[join - 150:join + 150] = 2
         lower[join - 150:join + 150] = upper[join - 150:join + 150] = -1
         expected = gtsv(lower, diag, upper, rhs)[0]
-        x, fallbacks = compiled.solve_ex(lower, diag, upper, rhs)
-        assert_same_bits(x, expected, f"{where}, {threads} threads")
+        assert_same_bits(compiled.solve_ex(lower, diag, upper, rhs)[0], expected,
+                         f"{where}, {threads} threads")
         clean = compiled.solve_ex(*make_family("dominant", n, dtype, 1, seed=21))
         assert clean[1] == 0
-    finally:
-        torch.set_num_threads(original)
 
 
 @pytest.mark.parametrize("dtype", REAL_DTYPES, ids=str)
