@@ -39,6 +39,8 @@ op's C++ fast path calls in its backward.
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from ._validation import SingularMatrixError
@@ -51,13 +53,39 @@ __all__ = ["is_available", "library_path", "solve", "solve_ex", "solve_backward"
 # 0.54 at 1500). The C++ op cpp_solve uses the same number (kSpeculativeMinN in tridiag.cpp).
 SPECULATIVE_MIN_N = 1024
 
-try:
-    from . import _C
-except ImportError as err:  # not built (no compiler at install), or built for another platform
+#: Set to ``1`` before the package is imported to run as if the C++ kernel had not been built
+#: (every CPU solve on LAPACK): how the tests and the book check the package without it.
+DISABLE_ENV = "TRIDIAG_TUTORIAL_NO_CPP"
+
+
+def _build_report() -> dict:
+    """What ``setup.py`` wrote about the extension's build (``_build_info.json`` beside this
+    module: whether it was built, and why not), or ``{}`` where it wrote nothing."""
+    import json
+    from pathlib import Path
+
+    try:
+        return json.loads((Path(__file__).with_name("_build_info.json")).read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+if os.environ.get(DISABLE_ENV) == "1":
     _C = None
-    BUILD_ERROR: str | None = f"{type(err).__name__}: {err}"
+    BUILD_ERROR: str | None = f"switched off with {DISABLE_ENV}=1"
+    DISABLED = True
 else:
-    BUILD_ERROR = None
+    DISABLED = False
+    try:
+        from . import _C
+    except ImportError as err:  # not built at install, or built for another platform
+        _C = None
+        _why = _build_report().get("error")
+        # the cause the build recorded (no torch at build time, no compiler, a compile error);
+        # where it recorded none (a build from an older checkout, a copied module), the import's
+        BUILD_ERROR = _why or f"{type(err).__name__}: {err}"
+    else:
+        BUILD_ERROR = None
 
 
 def is_available() -> bool:
