@@ -2,8 +2,13 @@
 
 import contextlib
 import importlib.util
+import io
 import json
 import os
+import signal
+import subprocess
+import sys
+import time
 
 import numpy as np
 import pytest
@@ -539,3 +544,269 @@ def test_route_without_the_fused_backward_runs_the_band_products_in_torch_ops(mo
         calls.clear()
         for g, want in zip(got, expected):
             torch.testing.assert_close(g, want)
+
+
+# The command line: --help, the summary's width, rows written as measured, interrupts, --merge
+# continuing a run, progress on a terminal.
+
+QUICK_MAIN = ["--quick", "--no-compile", "--no-jax", "--no-cpp", "--no-steps"]  # main rows only
+COMMITTED = os.path.join(os.path.dirname(__file__), os.pardir, "notebooks", "data",
+                         "benchmark_results.json")
+
+
+class FakeTerminal(io.StringIO):
+    def isatty(self):
+        return True
+
+
+def timed(rows):
+    return [r for r in rows if r["seconds"] is not None]
+
+
+def test_help_is_plain_text_under_the_command_s_real_name(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        benchmarks.main(["--help"])
+    assert exit_.value.code == 0
+    text = capsys.readouterr().out
+    assert text.startswith("usage: python -m tridiag_tutorial.benchmarks ")
+    for markup in ("``", ":func:", ":data:", ":class:", "::"):
+        assert markup not in text, markup
+    assert "--merge" in text.split("options:")[0]  # the description says how to continue a run
+    for action in benchmarks._parser()._actions:  # every option explained
+        assert action.help and "``" not in action.help, action.option_strings
+
+
+def load_committed():
+    with open(COMMITTED) as f:
+        return json.load(f)
+
+
+def test_summary_tables_fit_in_100_columns_on_the_committed_rows():
+    """Every table that the command prints, on the rows of the book's results file (read only)."""
+    data = load_committed()
+    tables = {"results": benchmarks.format_results(data["results"]),
+              "against_jax": benchmarks.format_against_jax(data["against_jax"]),
+              "time_stepping": benchmarks.format_steps_table(data["time_stepping"]),
+              "routes": benchmarks.format_routes(data["routes"]),
+              "one_system": benchmarks.format_one_system(data["one_system"])}
+    for key, text in tables.items():
+        widest = max(text.splitlines(), key=len)
+        assert len(widest) <= 100, (key, widest)
+    # nothing left out: a table per mode, dtype and thread count, every case and implementation
+    results, text = data["results"], tables["results"]
+    groups = {(r["mode"], r["dtype"], r["threads"]) for r in results}
+    assert all(f"{m}, {d}, {t} thread(s)" in text for m, d, t in groups)
+    for shown in ("n=100", "n=1e6", "1024x256", "1e5x8", "final op [compiled]",
+                  "final op, lapack", "torch.linalg.solve (dense)", "jax tridiagonal_solve"):
+        assert shown in text, shown
+    cells = sum(len(line.split()) - 2 for line in text.splitlines() if line.startswith("ch4"))
+    assert cells == sum(r["impl"] == "ch4 autograd.Function" for r in results)
+
+
+def test_summary_splits_the_cases_into_narrower_tables():
+    rows = [dict(impl=benchmarks.FINAL_LAPACK, mode="forward", compiled=True, n=n, batch=b,
+                 dtype="float64", threads=1, seconds=1.234e-5, error=None)
+            for n in (10, 10**3, 10**5, 123456789) for b in (0, 100000)]
+    text = benchmarks.format_results(rows, width=60)
+    assert max(len(line) for line in text.splitlines()) <= 60
+    assert "(1/" in text and "(2/" in text  # split, not cut
+    assert text.count("12.3us") == len(rows) and "123456789" in text
+
+
+def test_results_file_is_replaced_atomically(tmp_path, monkeypatch):
+    """An interrupt in the middle of a write leaves the previous file whole, and no temporary
+    file."""
+    out = tmp_path / "r.json"
+    benchmarks._write_json(str(out), {"rows": [1]})
+    real_dump = json.dump
+
+    def interrupted_dump(data, f, **kwargs):
+        f.write('{"rows": [1, 2')
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(json, "dump", interrupted_dump)
+    with pytest.raises(KeyboardInterrupt):
+        benchmarks._write_json(str(out), {"rows": [1, 2]})
+    monkeypatch.setattr(json, "dump", real_dump)
+    assert json.loads(out.read_text()) == {"rows": [1]}
+    assert os.listdir(tmp_path) == ["r.json"]
+
+
+@pytest.fixture
+def fast_timer(monkeypatch):
+    """``_time`` with a tiny budget, recording each call; ``interrupt_at``: the call (from 1)
+    that raises KeyboardInterrupt instead; ``before``: called first, with the call's number."""
+    real = benchmarks._time
+    state = dict(calls=[], interrupt_at=None, before=lambda count: None)
+
+    def fast(fn, min_time, repeats, **labels):
+        state["calls"].append(labels)
+        state["before"](len(state["calls"]))
+        if len(state["calls"]) == state["interrupt_at"]:
+            raise KeyboardInterrupt
+        return real(fn, 1e-4, 1, **labels)
+
+    monkeypatch.setattr(benchmarks, "_time", fast)
+    return state
+
+
+def test_rows_are_written_as_measured_kept_after_an_interrupt_and_merge_continues(
+        tmp_path, monkeypatch, capsys, fast_timer):
+    out = tmp_path / "r.json"
+    args = [*QUICK_MAIN, "--out", str(out)]
+    on_disk = []
+    fast_timer["before"] = lambda count: on_disk.append(len(timed(
+        json.loads(out.read_text())["results"])))
+    fast_timer["interrupt_at"] = 6
+    with pytest.raises(KeyboardInterrupt):
+        benchmarks.main(args)
+    assert on_disk == [0, 1, 2, 3, 4, 5]  # each row in the file before the next is timed
+    err = capsys.readouterr().err
+    assert "\r" not in err and "main suite: " in err and " rows to measure" in err  # no terminal
+    assert "Interrupted (main suite: 5 of " in err and f"--merge {out}" in err
+    saved = json.loads(out.read_text())
+    kept = timed(saved["results"])
+    assert len(kept) == 5 and "results" in saved[benchmarks.UNFINISHED]
+
+    # continue, on a terminal: only the other rows are measured, the kept ones stay as they were
+    terminal = FakeTerminal()
+    monkeypatch.setattr(sys, "stderr", terminal)
+    fast_timer.update(calls=[], interrupt_at=None, before=lambda count: None)
+    report = benchmarks.main([*args, "--merge", str(out)])
+    final = json.loads(out.read_text())
+    assert final == report and benchmarks.UNFINISHED not in final
+    rows = final["results"]
+    assert all(r in rows for r in kept)  # the very rows, not measured again
+    assert len({benchmarks._case(r) for r in rows}) == len(rows)
+    assert len(fast_timer["calls"]) == len(timed(rows)) - 5
+    status = terminal.getvalue()
+    left = len(timed(rows)) - 5
+    assert "(5 measured before, kept)" in status
+    assert f"\r\x1b[K[1/{left}] main suite: float64 1 thr " in status and " left" in status
+    assert f"\r\x1b[K[{left}/{left}] main suite: " in status
+    printed = capsys.readouterr().out
+    assert "Median time per call" in printed
+    assert max(len(line) for line in printed.splitlines()) <= 100
+
+
+def test_merge_of_a_finished_run_or_other_settings_measures_again(tmp_path):
+    """Only a run that did not finish, with the same settings on the same machine, is
+    continued."""
+    machine = {"cpu": "x", "cores": 2, "date": "today", "load_average": [1.0]}
+
+    def resumed(merged, config):
+        report = benchmarks._Report(str(tmp_path / "r.json"), merged)
+        report._machine = dict(machine, date="tomorrow", load_average=[2.0])
+        suite = report.suite("results", config)
+        suite.begin([dict(impl="a", mode="forward", compiled=False, n=8, batch=0,
+                          dtype="float64", threads=1)])
+        return suite.done(dict(impl="a", mode="forward", compiled=False, n=8, batch=0,
+                               dtype="float64", threads=1))
+
+    row = dict(impl="a", mode="forward", compiled=False, n=8, batch=0, dtype="float64",
+               threads=1, seconds=1.0)
+    config = dict(min_time=0.1, repeats=4)
+    marker = dict(settings={k: str(v) for k, v in config.items()},
+                  machine={"cpu": "x", "cores": 2})
+    assert resumed({"results": [row], benchmarks.UNFINISHED: {"results": marker}}, config)
+    assert not resumed({"results": [row]}, config)  # finished
+    assert not resumed({"results": [row], benchmarks.UNFINISHED: {"results": marker}},
+                       dict(config, repeats=5))
+    other = dict(marker, machine={"cpu": "y", "cores": 2})
+    assert not resumed({"results": [row], benchmarks.UNFINISHED: {"results": other}}, config)
+    failed = dict(row, seconds=None, error="RuntimeError: x")
+    assert not resumed({"results": [failed], benchmarks.UNFINISHED: {"results": marker}}, config)
+
+
+def test_progress_on_a_terminal_redraws_one_status_line_with_the_time_left():
+    now = [0.0]
+    terminal, out = FakeTerminal(), io.StringIO()
+    progress = benchmarks.Progress(stream=terminal, out=out, clock=lambda: now[0], width=60)
+    progress.begin("main suite", 4)
+    now[0] = 10.0
+    progress.advance("first")
+    now[0] = 20.0
+    progress.advance("second, with a label far too long to fit in the sixty columns")
+    progress.log("a line of the log")
+    now[0] = 40.0
+    progress.advance("third")
+    text = terminal.getvalue()
+    assert "\r\x1b[K[1/4] main suite: first ~30 s left" in text
+    assert "\r\x1b[K[3/4] main suite: third ~13 s left" in text
+    statuses = [part for part in text.split("\r\x1b[K") if part.startswith("[")]
+    assert max(len(s) for s in statuses) <= 59  # never wraps
+    assert any(s.startswith("[2/4]") and "..." in s and s.endswith("~20 s left")
+               for s in statuses)
+    assert out.getvalue() == "a line of the log\n"
+    progress.end()
+    assert terminal.getvalue().endswith("\r\x1b[Kmain suite: 3 measured in 40 s\n")
+
+
+def test_progress_elsewhere_is_plain_lines_now_and_then():
+    now = [0.0]
+    stream = io.StringIO()
+    progress = benchmarks.Progress(stream=stream, out=io.StringIO(), clock=lambda: now[0])
+    progress.begin("main suite", 10)
+    for _ in range(10):
+        now[0] += 15.0
+        progress.advance("row")
+    progress.end()
+    text = stream.getvalue()
+    assert "\r" not in text and "\x1b" not in text
+    assert text.splitlines() == ["main suite: 10 rows to measure",
+                                 "[4/10] main suite: row ~2 min left",
+                                 "[8/10] main suite: row ~30 s left",
+                                 "main suite: 10 measured in 2 min"]
+
+
+# python -m tridiag_tutorial.benchmarks, with Python's SIGINT handler even where this process was
+# started with SIGINT ignored (a background job), which the child would inherit
+CLI_WITH_SIGINT = ("import runpy, signal; signal.signal(signal.SIGINT, signal.default_int_handler); "
+                   "runpy.run_module('tridiag_tutorial.benchmarks', run_name='__main__', "
+                   "alter_sys=True)")
+
+
+def test_sigint_keeps_the_rows_and_exits_130_without_a_traceback(tmp_path, fast_timer):
+    """The command itself, in a process of its own, interrupted (SIGINT) once rows are in its
+    file; then continued with --merge, which measures only the rows not in the file."""
+    out = tmp_path / "r.json"
+    args = [*QUICK_MAIN, "--min-time", "0.02", "--repeats", "2", "--out", str(out)]
+    child = subprocess.Popen([sys.executable, "-c", CLI_WITH_SIGINT, *args],
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while child.poll() is None and time.monotonic() < deadline:
+        with contextlib.suppress(OSError, ValueError, KeyError):
+            if timed(json.loads(out.read_text())["results"]):
+                break
+        time.sleep(0.02)
+    child.send_signal(signal.SIGINT)
+    _, err = child.communicate(timeout=120)
+    assert child.returncode == 130, err
+    assert "Traceback" not in err and "\r" not in err
+    assert "Interrupted (main suite: " in err
+    saved = json.loads(out.read_text())
+    kept = timed(saved["results"])
+    assert kept and "results" in saved[benchmarks.UNFINISHED]
+    benchmarks.main([*args, "--merge", str(out)])
+    rows = json.loads(out.read_text())["results"]
+    assert all(r in rows for r in kept)
+    assert len(fast_timer["calls"]) == len(timed(rows)) - len(kept)
+
+
+def test_full_run_with_merge_replaces_the_time_stepping_rows_it_measures_again(tmp_path,
+                                                                               fast_timer):
+    """The merged file's time-stepping row of a case the run measures is replaced, not kept
+    beside the new one; a row of another case stays."""
+    quick = dict(kernel="LAPACK", dtype="float64", threads=1, n=8, batch=0, k=1, steps=3,
+                 mode="forward", factor_once_seconds=1.0, every_step_seconds=2.0, ratio=0.5)
+    other = dict(quick, n=10**6)
+    old = tmp_path / "old.json"
+    old.write_text(json.dumps({"results": [], "time_stepping": [quick, other]}))
+    out = tmp_path / "new.json"
+    benchmarks.main(["--quick", "--no-compile", "--no-jax", "--no-cpp", "--merge", str(old),
+                     "--out", str(out)])
+    rows = json.loads(out.read_text())["time_stepping"]
+    assert other in rows and quick not in rows
+    case = ("LAPACK", "float64", 1, 8, 0, 1, 3, "forward")
+    assert [tuple(r[k] for k in benchmarks.UNIT_FIELDS["time_stepping"]) for r in rows].count(
+        case) == 1

@@ -53,6 +53,15 @@ only while it pays.
 With ``--merge``, keys of the merged file that this run does not produce (such as ``factor_reuse``,
 the measurements of an earlier op that could keep LAPACK's factors for its backward) are kept, and
 so are its result rows of cases this run does not measure.
+
+The command line writes each row to ``--out`` as soon as it is measured (atomically: a temporary
+file, then ``os.replace``), with the key ``unfinished_run`` (:data:`UNFINISHED`) until the run ends.
+An interrupt (Ctrl-C) keeps what was measured, says so and exits with status 130; run again with
+``--merge`` of that file to continue: the rows that the unfinished run measured with the same
+settings on the same machine are kept and not measured again (:class:`_Suite`; "the same row":
+:data:`UNIT_FIELDS`). On a terminal a status line on standard error shows the progress and an
+estimate of the time left (:class:`Progress`); elsewhere a plain line now and then. ``--help``
+describes all of it in plain text.
 """
 
 from __future__ import annotations
@@ -65,10 +74,12 @@ import json
 import os
 import platform
 import re
+import shutil
 import statistics
 import subprocess
 import sys
 import tempfile
+import textwrap
 import time
 from collections import Counter
 from dataclasses import asdict, dataclass, field
@@ -340,19 +351,50 @@ def _cpp_or_log(log) -> bool:
     return False
 
 
+MODES = ("forward", "backward")
+
+
+def _main_rows(n: int, batch: int, threads: int, impls, compile: bool, jax: bool) -> list:
+    """The rows of one case (``n``, ``batch``) of :func:`run` at ``threads`` threads, in the order
+    they are timed: ``(impl, mode, compiled, reason)``, ``reason`` saying why the row is not timed
+    at all (``None``: timed)."""
+    rows = [("dgtsv (raw LAPACK)", "forward", False, None),
+            ("scipy solve_banded", "forward", False, None)]
+    for impl in impls:
+        if not _wanted(impl, n, batch):
+            continue
+        reason = _not_run(impl, batch, threads)
+        for mode in MODES:
+            rows.append((impl, mode, False, reason))
+            if reason is None and compile and impl in COMPILED:
+                rows.append((impl, mode, True, None))
+    # JAX last in each case, so that none of our rows is timed right after it (its CPU runtime
+    # runs worker threads of its own).
+    rows += [(JAX_IMPL, mode, False, None) for mode in (MODES if jax else ())]
+    return rows
+
+
+def _shape(n: int, batch: int) -> str:
+    """A case in a few characters: ``n=100`` for one system, ``16x8`` for 16 systems of n = 8."""
+    return f"{batch}x{n}" if batch else f"n={n}"
+
+
 def run(sizes=SINGLE_SIZES, batches=BATCHES, dtypes=(torch.float32, torch.float64),
         threads=(1, None), compile=True, jax=True, cpp=True, min_time=0.2, repeats=7,
-        log=print, progress=None, measurements=None):
+        log=print, progress=None, measurements=None, recorder=None):
     """Measure everything; return a list of :class:`Result` (as dicts).
 
     ``jax``: also time JAX's ``tridiagonal_solve`` and its gradient when JAX is installed (at
     JAX's default thread pool: :func:`run_against_jax` pins it). ``cpp``: also time the final op
     with ``driver="cpp"`` where the C++ kernel was built (the rows of the final op as installed,
     ``driver=None``, use it wherever :func:`~tridiag_tutorial.kernels.choose_driver` picks it,
-    with or without ``cpp``). ``progress``, if given, is called
-    with the results so far after each thread count and dtype. ``measurements``, if a list,
-    receives every ``torch.utils.benchmark.Measurement`` (for a ``Compare`` table).
+    with or without ``cpp``). ``progress``, if given, is called with the results so far after
+    each row. ``measurements``, if a list, receives every ``torch.utils.benchmark.Measurement``.
+    ``recorder`` (the command line's): told the rows to measure, asked which of them a run being
+    continued has measured already (those are skipped: not in the returned list), and given each
+    row as soon as it is measured.
     """
+    recorder = recorder or _NO_RECORDER
     results = []
     shapes = [(n, 0) for n in sizes] + [(n, b) for b, n in batches]
     compiled_fns = {}
@@ -360,6 +402,19 @@ def run(sizes=SINGLE_SIZES, batches=BATCHES, dtypes=(torch.float32, torch.float6
         log("  (no JAX rows: jax is not installed; pip install jax to add them)")
         jax = False
     cpp = cpp and _cpp_or_log(log)
+    impls = {**TORCH_IMPLS, **(CPP_IMPLS if cpp else {})}
+    dnames = {dtype: str(dtype).replace("torch.", "") for dtype in dtypes}
+
+    def unit(impl, mode, is_compiled, n, batch, dtype, threads):
+        return dict(impl=impl, mode=mode, compiled=is_compiled, n=n, batch=batch,
+                    dtype=dnames[dtype], threads=threads)
+
+    recorder.begin([unit(impl, mode, is_compiled, n, batch, dtype, count)
+                    for count in _thread_count_values(threads) for dtype in dtypes
+                    for n, batch in shapes
+                    for impl, mode, is_compiled, reason in _main_rows(n, batch, count, impls,
+                                                                   compile, jax)
+                    if reason is None])
     # Each (function, dtype, rank, mode) compiles once with dynamic shapes; all of them share one
     # code object's cache in Dynamo, so the default limit of 8 entries is too small here.
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
@@ -367,14 +422,39 @@ def run(sizes=SINGLE_SIZES, batches=BATCHES, dtypes=(torch.float32, torch.float6
         torch._dynamo.reset()  # the thread count is part of Dynamo's guards: start afresh
         compiled_fns.clear()
         for dtype in dtypes:
-            dname = str(dtype).replace("torch.", "")
+            dname = dnames[dtype]
             for n, batch in shapes:
-                args = _problem(n, batch, dtype)
-
-                def record(impl, mode, compiled, fn):
-                    label = f"{impl}{' [compiled]' if compiled else ''}"
-                    where = (f"  {dname:8s} threads={actual_threads} n={n:>7d} batch={batch:>6d} "
-                             f"{mode:8s} {label:40s}")
+                args = None
+                for impl, mode, is_compiled, reason in _main_rows(n, batch, actual_threads, impls,
+                                                               compile, jax):
+                    if reason is not None:  # a row all the same, with its reason
+                        row = asdict(Result(impl, mode, False, n, batch, dname, actual_threads,
+                                            None, error=reason))
+                        results.append(row)
+                        recorder.add([row])
+                        continue
+                    if recorder.done(unit(impl, mode, is_compiled, n, batch, dtype,
+                                          actual_threads)):
+                        continue
+                    if args is None:
+                        args = _problem(n, batch, dtype)
+                    if impl == "dgtsv (raw LAPACK)":
+                        fn = _raw_gtsv(args)
+                    elif impl == "scipy solve_banded":
+                        fn = _solve_banded(args)
+                    elif impl == JAX_IMPL:
+                        fn = _jax_callable(args, mode)
+                    else:
+                        solve = impls[impl]
+                        if is_compiled:
+                            key = (impl, mode, dtype, batch > 0)
+                            if key not in compiled_fns:
+                                compiled_fns[key] = torch.compile(solve, **COMPILE_OPTIONS)
+                            solve = compiled_fns[key]
+                        fn = _torch_callable(solve, args, mode)
+                    label = f"{impl}{' [compiled]' if is_compiled else ''}"
+                    where = (f"  {dname:7s} thr={actual_threads:<2d} {_shape(n, batch):>10s} "
+                             f"{mode:8s} {label:36s}")
                     try:
                         m = _time(fn, min_time, repeats,
                                   label=f"{mode}, {dname}, {actual_threads} thread(s)",
@@ -382,43 +462,21 @@ def run(sizes=SINGLE_SIZES, batches=BATCHES, dtypes=(torch.float32, torch.float6
                                   description=label)
                     except Exception as err:  # a failing implementation is a result too
                         error = f"{type(err).__name__}: {str(err).splitlines()[0]}"
-                        results.append(Result(impl, mode, compiled, n, batch, dname,
-                                              actual_threads, None, error=error))
-                        log(f"{where} FAILED {error}")
-                        return
-                    if measurements is not None:
-                        measurements.append(m)
-                    results.append(Result(impl, mode, compiled, n, batch, dname, actual_threads,
-                                          **_summary(m)))
-                    log(f"{where} {m.median * 1e6:12.1f} us")
-
-                record("dgtsv (raw LAPACK)", "forward", False, _raw_gtsv(args))
-                record("scipy solve_banded", "forward", False, _solve_banded(args))
-                impls = {**TORCH_IMPLS, **(CPP_IMPLS if cpp else {})}
-                for impl, fn in impls.items():
-                    if not _wanted(impl, n, batch):
-                        continue
-                    reason = _not_run(impl, batch, actual_threads)
-                    if reason is not None:
-                        for mode in ("forward", "backward"):
-                            results.append(Result(impl, mode, False, n, batch, dname,
-                                                  actual_threads, None, error=reason))
-                        continue
-                    for mode in ("forward", "backward"):
-                        record(impl, mode, False, _torch_callable(fn, args, mode))
-                        if compile and impl in COMPILED:
-                            key = (impl, mode, dtype, batch > 0)
-                            if key not in compiled_fns:
-                                compiled_fns[key] = torch.compile(fn, **COMPILE_OPTIONS)
-                            record(impl, mode, True,
-                                   _torch_callable(compiled_fns[key], args, mode))
-                # JAX last in each case, so that none of our rows is timed right after it (its
-                # CPU runtime runs worker threads of its own).
-                for mode in ("forward", "backward") if jax else ():
-                    record(JAX_IMPL, mode, False, _jax_callable(args, mode))
-            if progress is not None:
-                progress([asdict(r) for r in results])
-    return [asdict(r) for r in results]
+                        row = asdict(Result(impl, mode, is_compiled, n, batch, dname,
+                                            actual_threads, None, error=error))
+                        log(f"{where} FAILED {error}"[:100])
+                    else:
+                        if measurements is not None:
+                            measurements.append(m)
+                        row = asdict(Result(impl, mode, is_compiled, n, batch, dname,
+                                            actual_threads, **_summary(m)))
+                        log(f"{where} {m.median * 1e6:12.1f} us")
+                    results.append(row)
+                    recorder.add([row], f"{dname} {actual_threads} thr {_shape(n, batch)} "
+                                        f"{mode} {label}")
+                    if progress is not None:
+                        progress(list(results))
+    return results
 
 
 # The time-stepping experiment: one fixed matrix, many solves; factoring once against solving
@@ -458,19 +516,31 @@ def _stepper(n: int, batch: int, dtype, steps: int, factor_once: bool, mode: str
 
 
 def run_time_stepping(cases=STEP_CASES, steps=STEPS, dtypes=(torch.float64,), threads=(1,),
-                      min_time=0.2, repeats=15, log=print):
+                      min_time=0.2, repeats=15, log=print, recorder=None):
     """Time ``steps`` implicit steps, factoring once against solving every step.
 
     The two strategies are timed in alternation (:func:`_time_interleaved`), so a change in the
     machine's load favours neither. Returns a list of dicts with both median times and ``ratio`` =
-    factor once / solve every step.
+    factor once / solve every step. ``recorder``: as :func:`run`'s, a row at a time.
     """
+    recorder = recorder or _NO_RECORDER
+
+    def unit(kernel, dtype, threads, n, batch, k, mode):
+        return dict(kernel=kernel, dtype=str(dtype).replace("torch.", ""), threads=threads, n=n,
+                    batch=batch, k=k or 1, steps=steps, mode=mode)
+
+    recorder.begin([unit(kernel, dtype, count, n, batch, k, mode)
+                    for count in _thread_count_values(threads)
+                    for kernel, shapes in cases.items() for dtype in dtypes
+                    for n, batch, k in shapes for mode in MODES])
     rows = []
     for actual_threads in _each_thread_count(threads):
         for kernel, shapes in cases.items():
             for dtype in dtypes:
                 for n, batch, k in shapes:
-                    for mode in ("forward", "backward"):
+                    for mode in MODES:
+                        if recorder.done(unit(kernel, dtype, actual_threads, n, batch, k, mode)):
+                            continue
                         best = _time_interleaved(
                             {once: _stepper(n, batch, dtype, steps, once, mode, kernel, k)
                              for once in (True, False)}, min_time, repeats)
@@ -479,6 +549,8 @@ def run_time_stepping(cases=STEP_CASES, steps=STEPS, dtypes=(torch.float64,), th
                                    mode=mode, factor_once_seconds=best[True],
                                    every_step_seconds=best[False], ratio=best[True] / best[False])
                         rows.append(row)
+                        recorder.add([row], f"{kernel} {row['dtype']} {actual_threads} thr "
+                                            f"{_shape(n, batch)} k={k or 1} {mode}")
                         log(f"  steps  {kernel:17s} {row['dtype']:8s} threads={actual_threads} "
                             f"n={n:>7d} batch={batch:>5d} k={k or 1} {mode:8s}: factor once "
                             f"{best[True] * 1e3:9.2f} ms, every step {best[False] * 1e3:9.2f} ms, "
@@ -493,22 +565,28 @@ COMPILED_CASES = [(256, 1024), (64, 16384), (8, 100000), (10**5, 0), (10**6, 0)]
 
 
 def run_compiled_kernel(cases=COMPILED_CASES, threads=(1, None), min_time=0.2, repeats=15,
-                        log=print):
+                        log=print, recorder=None):
     """Time the compiled kernel's interleaved elimination (the op built at install,
     ``torch.ops.tridiag_tutorial.cpp_solve_ex``, through :func:`tridiag_tutorial.compiled.solve_ex`
     with the speculative solve off, so that one system is one chain: chapter 12 compares the
     two), a Python loop of raw ``dgtsv``, the joined ``lapack.solve`` and, if installed, JAX,
     forward only, float64. Returns rows with ``seconds``, ``ns_per_unknown`` and ``ratio`` to the
-    ``dgtsv`` loop. Raises ``RuntimeError`` where the C++ kernel was not built."""
+    ``dgtsv`` loop. Raises ``RuntimeError`` where the C++ kernel was not built. ``recorder``: as
+    :func:`run`'s, a case (its rows timed together) at a time."""
     from . import compiled, lapack
     if not compiled.is_available():
         raise RuntimeError(compiled._missing_message())
 
     def op(*matrix):
         return compiled.solve_ex(*matrix, speculative_min_n=ONE_CHAIN)
+    recorder = recorder or _NO_RECORDER
+    recorder.begin([dict(threads=count, n=n, batch=batch)
+                    for count in _thread_count_values(threads) for n, batch in cases])
     rows = []
     for actual in _each_thread_count(threads):
         for n, batch in cases:
+            if recorder.done(dict(threads=actual, n=n, batch=batch)):
+                continue
             args = _problem(n, batch, torch.float64)
             matrix = [*args[:3], args[3].unsqueeze(-1)]
             arrays = [a.numpy() for a in matrix]
@@ -520,14 +598,17 @@ def run_compiled_kernel(cases=COMPILED_CASES, threads=(1, None), min_time=0.2, r
                 fns["jax tridiagonal_solve"] = jax_fn
             medians = _time_interleaved(fns, min_time, repeats)
             unknowns = n * max(batch, 1)
+            case = []
             for impl, seconds in medians.items():
                 row = dict(impl=impl, n=n, batch=batch, threads=actual, seconds=seconds,
                            ns_per_unknown=seconds / unknowns * 1e9,
                            ratio=seconds / medians["dgtsv (raw LAPACK)"])
-                rows.append(row)
+                case.append(row)
                 log(f"  compiled  threads={actual} n={n:>7d} batch={batch:>6d} {impl:28s} "
                     f"{seconds * 1e3:9.3f} ms {row['ns_per_unknown']:7.1f} ns/unknown "
                     f"ratio to dgtsv {row['ratio']:.3f}")
+            rows += case
+            recorder.add(case, f"{actual} thr {_shape(n, batch)}")
     return rows
 
 
@@ -560,16 +641,22 @@ def _count_operations(fn) -> int:
 
 
 def run_torch_kernels(cases=TORCH_KERNEL_CASES, threads=(1, None), min_time=0.2, repeats=15,
-                      log=print):
+                      log=print, recorder=None):
     """Time the sequential torch kernel (:func:`tridiag_tutorial.torch_kernel.solve`), the
     partitioned one (:func:`tridiag_tutorial.partitioned.solve`) and the ``dgtsv`` loop, forward,
     float64. Returns rows with ``seconds``, ``operations`` (dispatched, for the torch kernels),
-    ``ratio`` to the ``dgtsv`` loop and ``vs_sequential`` (partitioned / sequential)."""
+    ``ratio`` to the ``dgtsv`` loop and ``vs_sequential`` (partitioned / sequential).
+    ``recorder``: as :func:`run`'s, a case (its rows timed together) at a time."""
     from . import partitioned
     from . import torch_kernel as sequential
+    recorder = recorder or _NO_RECORDER
+    recorder.begin([dict(threads=count, n=n, batch=batch)
+                    for count in _thread_count_values(threads) for n, batch in cases])
     rows = []
     for actual in _each_thread_count(threads):
         for n, batch in cases:
+            if recorder.done(dict(threads=actual, n=n, batch=batch)):
+                continue
             args = _problem(n, batch, torch.float64)
             matrix = [*args[:3], args[3].unsqueeze(-1)]
             fns = {"partitioned torch kernel": lambda: partitioned.solve(*matrix),
@@ -577,6 +664,7 @@ def run_torch_kernels(cases=TORCH_KERNEL_CASES, threads=(1, None), min_time=0.2,
             if n <= TORCH_KERNEL_MAX_N:
                 fns["sequential torch kernel"] = lambda: sequential.solve(*matrix)
             medians = _time_interleaved(fns, min_time, repeats)
+            case = []
             for impl, seconds in medians.items():
                 row = dict(impl=impl, n=n, batch=batch, threads=actual, seconds=seconds,
                            operations=None if impl.startswith("dgtsv")
@@ -584,10 +672,12 @@ def run_torch_kernels(cases=TORCH_KERNEL_CASES, threads=(1, None), min_time=0.2,
                            ratio=seconds / medians["dgtsv (raw LAPACK)"],
                            vs_sequential=(seconds / medians["sequential torch kernel"]
                                           if "sequential torch kernel" in medians else None))
-                rows.append(row)
+                case.append(row)
                 log(f"  torch kernels  threads={actual} n={n:>7d} batch={batch:>5d} {impl:25s} "
                     f"{seconds * 1e3:9.3f} ms  ops {row['operations'] or '-':>7}  "
                     f"vs sequential {row['vs_sequential'] or float('nan'):.3f}")
+            rows += case
+            recorder.add(case, f"{actual} thr {_shape(n, batch)}")
     return rows
 
 
@@ -622,16 +712,28 @@ def _cliff_kernels(log):
     return found
 
 
+CLIFF_OPS = ("solve", "factor", "factored solve")
+
+
 def run_cliffs(cases=CLIFF_CASES, threads=(1,), min_time=0.2, repeats=15, kernels_wanted=None,
-               log=print):
+               log=print, recorder=None):
     """Time, interleaved in one process, a clean batch against the same batch with one NaN system
     and with one overflowing system, for ``tridiagonal_solve``, ``tridiagonal_lu_factor`` and
     ``tridiagonal_lu_solve``, on each kernel (issue 23: one bad system must cost at most 2x).
     Returns rows with ``kernel``, ``op``, ``input``, ``batch``, ``n``, ``seconds`` and ``ratio``
     (dirty / clean, 1.0 for the clean row); a call that raises gives ``seconds = None`` and its
-    ``error``."""
+    ``error``. ``recorder``: as :func:`run`'s, a kernel, op and case (its three rows timed
+    together) at a time."""
+    recorder = recorder or _NO_RECORDER
     rows = []
     found = _cliff_kernels(log)
+
+    def unit(name, op, threads, batch, n):
+        return dict(kernel=name, op=op, threads=threads, batch=batch, n=n)
+
+    recorder.begin([unit(name, op, count, batch, n) for name in kernels_wanted or list(found)
+                    if name in found for count in _thread_count_values(threads)
+                    for batch, n in cases if found[name][2](n) for op in CLIFF_OPS])
     for name in kernels_wanted or list(found):
         if name not in found:
             log(f"  cliffs: no {name} rows (the kernel is not available)")
@@ -639,7 +741,8 @@ def run_cliffs(cases=CLIFF_CASES, threads=(1,), min_time=0.2, repeats=15, kernel
         solver, factorer, takes = found[name]
         for actual in _each_thread_count(threads):
             for batch, n in cases:
-                if not takes(n):
+                if not takes(n) or all(recorder.done(unit(name, op, actual, batch, n))
+                                       for op in CLIFF_OPS):
                     continue
                 problems = _cliff_problems(batch, n)
                 factors = {}
@@ -656,6 +759,8 @@ def run_cliffs(cases=CLIFF_CASES, threads=(1,), min_time=0.2, repeats=15, kernel
                         factors[label], p[3], driver=factorer),
                 }
                 for op, make in ops.items():
+                    if recorder.done(unit(name, op, actual, batch, n)):
+                        continue
                     fns, errors = {}, {}
                     for label, p in problems.items():
                         fn = make(p, label)
@@ -665,6 +770,7 @@ def run_cliffs(cases=CLIFF_CASES, threads=(1,), min_time=0.2, repeats=15, kernel
                         except Exception as err:
                             errors[label] = f"{type(err).__name__}: {str(err).splitlines()[0]}"
                     medians = _time_interleaved(fns, min_time, repeats)
+                    case = []
                     for label in problems:
                         seconds = medians.get(label)
                         clean = medians.get("clean")
@@ -672,11 +778,13 @@ def run_cliffs(cases=CLIFF_CASES, threads=(1,), min_time=0.2, repeats=15, kernel
                                    threads=actual, seconds=seconds,
                                    ratio=seconds / clean if seconds and clean else None,
                                    error=errors.get(label))
-                        rows.append(row)
+                        case.append(row)
                         log(f"  cliffs  {name:24s} {op:14s} {batch:>6d} x {n:<4d} "
                             f"{label:22s} " + (f"{seconds * 1e3:9.3f} ms  ratio "
                                                f"{row['ratio']:.2f}" if seconds
                                                else f"error {row['error']}"))
+                    rows += case
+                    recorder.add(case, f"{name} {op} {actual} thr {_shape(n, batch)}")
     return rows
 
 
@@ -775,48 +883,90 @@ def _thread_names() -> dict | None:
 
 
 # The child process of run_against_jax: its CPU affinity set before torch and JAX are imported
-# (they size their thread pools from it when they start), then the interleaved timings.
+# (they size their thread pools from it when they start), then the interleaved timings, each
+# case's rows printed as one line (_ChildRecorder) as soon as they are measured. An interrupt
+# ends it quietly: the parent says what was kept.
 _PINNED_CHILD = """
 import json, os, sys
 with open(sys.argv[1]) as f:
     config = json.load(f)
 if config["cores"] is not None:
     os.sched_setaffinity(0, config["cores"])
-from tridiag_tutorial import benchmarks
-rows = getattr(benchmarks, config.pop("entry", "_against_jax_here"))(**config)
-with open(sys.argv[2], "w") as f:
-    json.dump(rows, f)
+try:
+    from tridiag_tutorial import benchmarks
+    entry = getattr(benchmarks, config.pop("entry", "_against_jax_here"))
+    recorder = benchmarks._ChildRecorder(**config.pop("recorder"))
+    entry(**config, recorder=recorder)
+except KeyboardInterrupt:
+    sys.exit(130)
 """
+_ROWS_LINE = "@@rows "  # how a pinned child's line of rows begins (the rest: JSON)
 
 
-def _in_pinned_process(config: dict, log) -> list:
+class _ChildRecorder:
+    """The recorder of a pinned child process: each case's rows printed on one line that starts
+    with ``_ROWS_LINE``, which :func:`_in_pinned_process` reads as soon as it comes and hands to
+    the run's recorder; ``done``: the cases (values of ``fields``) that the parent says to skip."""
+
+    def __init__(self, fields=(), done=()):
+        self.fields = tuple(fields)
+        self.measured = {tuple(unit) for unit in done}
+
+    def begin(self, units):
+        pass
+
+    def done(self, unit: dict) -> bool:
+        return tuple(unit[f] for f in self.fields) in self.measured
+
+    def add(self, rows, label=None):
+        print(_ROWS_LINE + json.dumps(dict(rows=rows, label=label)), flush=True)
+
+
+def _in_pinned_process(config: dict, log, recorder=None) -> list:
     """Run :func:`_against_jax_here` (or the function of this module named by ``config["entry"]``)
     with ``config`` in a new Python process (see ``_PINNED_CHILD``), its output lines passed to
-    ``log``; returns its rows."""
+    ``log`` and its rows to ``recorder`` as they come; returns its rows. ``config["recorder"]``:
+    the child's :class:`_ChildRecorder` (``fields`` and the ``done`` cases). An interrupt stops
+    the child too."""
+    recorder = recorder or _NO_RECORDER
+    config = dict(config)
+    config.setdefault("recorder", {})
     package_parent = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(
         p for p in (package_parent, env.get("PYTHONPATH")) if p)  # this very package
     env["PYTHONUNBUFFERED"] = "1"
+    rows = []
     with tempfile.TemporaryDirectory() as tmp:
-        config_path, rows_path = os.path.join(tmp, "config.json"), os.path.join(tmp, "rows.json")
+        config_path = os.path.join(tmp, "config.json")
         with open(config_path, "w") as f:
             json.dump(config, f)
-        child = subprocess.Popen([sys.executable, "-c", _PINNED_CHILD, config_path, rows_path],
+        child = subprocess.Popen([sys.executable, "-c", _PINNED_CHILD, config_path],
                                  stdout=subprocess.PIPE, text=True, env=env)
-        for line in child.stdout:
-            log(line.rstrip("\n"))
-        if child.wait() != 0:
+        try:
+            for line in child.stdout:
+                if line.startswith(_ROWS_LINE):
+                    case = json.loads(line[len(_ROWS_LINE):])
+                    rows += case["rows"]
+                    recorder.add(case["rows"], case["label"])
+                else:
+                    log(line.rstrip("\n"))
+        except BaseException:  # an interrupt (or a failing log): the child must not run on
+            child.terminate()
+            child.wait()
+            raise
+        if child.wait() in (130, -2):  # the interrupt reached the child first (Ctrl-C: both)
+            raise KeyboardInterrupt
+        if child.returncode != 0:
             raise RuntimeError(f"run_against_jax: the process pinned to {config['threads']} "
                                f"core(s) failed with exit status {child.returncode} (its error "
                                "is on stderr above)")
-        with open(rows_path) as f:
-            return json.load(f)
+    return rows
 
 
 def run_against_jax(cases=AGAINST_JAX_CASES, dtypes=(torch.float32, torch.float64),
                     threads=(1, None), min_time=0.1, repeats=9,
-                    compiled_cases=AGAINST_JAX_COMPILED_CASES, log=print):
+                    compiled_cases=AGAINST_JAX_COMPILED_CASES, log=print, recorder=None):
     """Time the final op against JAX's ``jax.lax.linalg.tridiagonal_solve``, forward and forward +
     backward (all four gradients; ``jax.grad`` of ``sum(x)`` for JAX).
 
@@ -836,37 +986,53 @@ def run_against_jax(cases=AGAINST_JAX_CASES, dtypes=(torch.float32, torch.float6
     ``seconds``, ``ratio`` = seconds / JAX's (below 1: faster than JAX), ``vs_eager`` (compiled
     rows: seconds / the eager ``FINAL``'s; else ``None``), and what the process saw: ``affinity``
     (its cores), ``torch_threads`` and ``xla_threads`` (the threads of XLA's CPU pool, counted by
-    name; ``None`` where they cannot be seen). Needs JAX."""
+    name; ``None`` where they cannot be seen). Needs JAX. ``recorder``: as :func:`run`'s, a
+    case and mode (its rows timed together) at a time."""
     if importlib.util.find_spec("jax") is None:
         raise RuntimeError("run_against_jax needs JAX: pip install jax")
-    config = dict(cases=[list(c) for c in cases],
-                  dtypes=[str(d).replace("torch.", "") for d in dtypes],
-                  min_time=min_time, repeats=repeats,
-                  compiled_cases=[list(c) for c in compiled_cases])
-    return _in_pinned_processes(threads, config, "against JAX", log)
+    dnames = [str(d).replace("torch.", "") for d in dtypes]
+    config = dict(cases=[list(c) for c in cases], dtypes=dnames, min_time=min_time,
+                  repeats=repeats, compiled_cases=[list(c) for c in compiled_cases])
+
+    def units(count):
+        return [dict(dtype=dname, threads=count, n=n, batch=batch, mode=mode)
+                for dname in dnames for n, batch in cases for mode in MODES]
+
+    return _in_pinned_processes(threads, config, "against JAX", log, recorder, units)
 
 
-def _in_pinned_processes(threads, config: dict, label: str, log) -> list:
+def _in_pinned_processes(threads, config: dict, label: str, log, recorder=None,
+                         units=lambda count: []) -> list:
     """The rows of :func:`_in_pinned_process` with ``config`` for each of ``threads`` (``None``:
     every core this process may use), in a process pinned to that many cores (``config`` gets
-    ``threads`` and ``cores``); a count above the cores available is skipped, said so."""
+    ``threads`` and ``cores``); a count above the cores available is skipped, said so.
+    ``units(count)``: the cases (dicts of the same keys) that the process at ``count`` threads
+    measures, for ``recorder``."""
+    recorder = recorder or _NO_RECORDER
     available = _cpu_cores()
     rows = []
     counts = [wanted or (len(available) if available else os.cpu_count()) for wanted in threads]
-    for count in dict.fromkeys(counts):  # (1, None) on one core: one process
+    counts = list(dict.fromkeys(counts))  # (1, None) on one core: one process
+    for count in counts:
         if available is not None and count > len(available):
             log(f"  {label}: no rows for {count} threads: this process may use "
                 f"{len(available)} core(s)")
-            continue
+    counts = [c for c in counts if available is None or c <= len(available)]
+    recorder.begin([unit for count in counts for unit in units(count)])
+    for count in counts:
+        fields = list(units(count)[0]) if units(count) else []
+        done = [[unit[f] for f in fields] for unit in units(count) if recorder.done(unit)]
         cores = None if available is None else available[:count]
-        rows += _in_pinned_process(dict(config, threads=count, cores=cores), log)
+        rows += _in_pinned_process(dict(config, threads=count, cores=cores,
+                                        recorder=dict(fields=fields, done=done)), log, recorder)
     return rows
 
 
 def _against_jax_here(cases, dtypes, threads, cores, min_time, repeats, compiled_cases,
-                      log=print):
+                      log=print, recorder=None):
     """:func:`run_against_jax`'s measurements at ``threads`` threads in this process, whose
     affinity the caller has set to ``cores`` (a list, or ``None``) before importing torch."""
+    recorder = recorder or _NO_RECORDER
     torch.set_num_threads(threads)
     jax = _jax()
     compiled_cases = {tuple(c) for c in compiled_cases}
@@ -882,7 +1048,9 @@ def _against_jax_here(cases, dtypes, threads, cores, min_time, repeats, compiled
         dtype = getattr(torch, dname)
         for n, batch in cases:
             args = _problem(n, batch, dtype)
-            for mode in ("forward", "backward"):
+            for mode in MODES:
+                if recorder.done(dict(dtype=dname, threads=threads, n=n, batch=batch, mode=mode)):
+                    continue
                 fns = {FINAL: _torch_callable(tridiagonal_solve, args, mode),
                        FINAL_LAPACK: _torch_callable(TORCH_IMPLS[FINAL_LAPACK], args, mode)}
                 if (n, batch) in compiled_cases:
@@ -892,9 +1060,10 @@ def _against_jax_here(cases, dtypes, threads, cores, min_time, repeats, compiled
                 names = _thread_names()
                 seen = dict(affinity=affinity, torch_threads=torch.get_num_threads(),
                             xla_threads=None if names is None else names.get(XLA_POOL_THREAD))
+                case = []
                 for impl, seconds in medians.items():
                     compiled = impl == COMPILED_FINAL
-                    rows.append(dict(impl=impl, mode=mode, compiled=compiled, n=n, batch=batch,
+                    case.append(dict(impl=impl, mode=mode, compiled=compiled, n=n, batch=batch,
                                      dtype=dname, threads=threads, seconds=seconds,
                                      ratio=seconds / medians[JAX_IMPL],
                                      vs_eager=seconds / medians[FINAL] if compiled else None,
@@ -903,6 +1072,8 @@ def _against_jax_here(cases, dtypes, threads, cores, min_time, repeats, compiled
                     f"{seen['xla_threads']}) n={n:>7d} batch={batch:>6d} {mode:8s} ours / JAX: "
                     + "  ".join(f"{_short(impl)} {medians[impl] / medians[JAX_IMPL]:.2f}"
                                 for impl in fns if impl != JAX_IMPL))
+                rows += case
+                recorder.add(case, f"{dname} {threads} thr {_shape(n, batch)} {mode}")
     return rows
 
 
@@ -939,7 +1110,7 @@ def _floor_callable(args):
 
 
 def run_one_system(cases=ONE_SYSTEM_CASES, dtypes=(torch.float32, torch.float64), threads=(1, 2),
-                   min_time=0.1, repeats=9, log=print):
+                   min_time=0.1, repeats=9, log=print, recorder=None):
     """One large system of each size ``n`` in ``cases``, timed in alternation
     (:func:`_time_interleaved`) in a process pinned to each thread count (as
     :func:`run_against_jax`): raw ``?gtsv`` through SciPy (forward only), the memory floor
@@ -952,25 +1123,34 @@ def run_one_system(cases=ONE_SYSTEM_CASES, dtypes=(torch.float32, torch.float64)
     (seconds / raw ``?gtsv``'s, timed in the same alternation; forward rows only, else
     ``None``), ``vs_jax`` (seconds / JAX's in the same mode, or ``None``),
     ``floor_ns_per_unknown`` and what the process saw (``affinity``, ``torch_threads``). A thread
-    count above the cores available is skipped, said so."""
-    config = dict(entry="_one_system_here", cases=list(cases),
-                  dtypes=[str(d).replace("torch.", "") for d in dtypes],
+    count above the cores available is skipped, said so. ``recorder``: as :func:`run`'s, a
+    system (its rows, both modes, timed together) at a time."""
+    dnames = [str(d).replace("torch.", "") for d in dtypes]
+    config = dict(entry="_one_system_here", cases=list(cases), dtypes=dnames,
                   min_time=min_time, repeats=repeats)
-    return _in_pinned_processes(threads, config, "one system", log)
+
+    def units(count):
+        return [dict(dtype=dname, threads=count, n=n) for dname in dnames for n in cases]
+
+    return _in_pinned_processes(threads, config, "one system", log, recorder, units)
 
 
-def _one_system_here(cases, dtypes, threads, cores, min_time, repeats, log=print):
+def _one_system_here(cases, dtypes, threads, cores, min_time, repeats, log=print,
+                     recorder=None):
     """:func:`run_one_system`'s measurements at ``threads`` threads in this process, whose
     affinity the caller has set to ``cores`` before importing torch."""
+    recorder = recorder or _NO_RECORDER
     torch.set_num_threads(threads)
     has_jax = _jax() is not None
     rows = []
     for dname in dtypes:
         dtype = getattr(torch, dname)
         for n in cases:
+            if recorder.done(dict(dtype=dname, threads=threads, n=n)):
+                continue
             args = _problem(n, 0, dtype)
             medians = {}
-            for mode in ("forward", "backward"):
+            for mode in MODES:
                 fns = {}
                 if mode == "forward":
                     fns[RAW_GTSV] = _raw_gtsv(args)
@@ -986,27 +1166,31 @@ def _one_system_here(cases, dtypes, threads, cores, min_time, repeats, log=print
                     + "  ".join(f"{_short(impl)} {s / n * 1e9:.1f}"
                                 for impl, s in medians[mode].items()))
             gtsv, floor = medians["forward"][RAW_GTSV], medians["forward"][FLOOR]
+            case = []
             for mode, times in medians.items():
                 jax_seconds = times.get(JAX_IMPL)
                 for impl, seconds in times.items():
-                    rows.append(dict(
+                    case.append(dict(
                         impl=impl, mode=mode, n=n, dtype=dname, threads=threads, seconds=seconds,
                         ns_per_unknown=seconds / n * 1e9,
                         vs_gtsv=seconds / gtsv if mode == "forward" else None,
                         vs_jax=seconds / jax_seconds if jax_seconds else None,
                         floor_ns_per_unknown=floor / n * 1e9, affinity=cores,
                         torch_threads=torch.get_num_threads()))
+            rows += case
+            recorder.add(case, f"{dname} {threads} thr n={n}")
     return rows
 
 
 def format_one_system(rows) -> str:
     """The rows of :func:`run_one_system` as a table: ns per unknown and the ratios."""
-    lines = [f"{'impl':40s} {'mode':8s} {'dtype':7s} {'thr':>3s} {'n':>8s} {'ns/unk':>7s} "
+    lines = [f"{'impl':36s} {'mode':8s} {'dtype':7s} {'thr':>3s} {'n':>8s} {'ns/unk':>7s} "
              f"{'/gtsv':>6s} {'/jax':>6s} {'floor':>6s}"]
     for r in rows:
         gtsv = "" if r["vs_gtsv"] is None else f"{r['vs_gtsv']:.2f}"
         jax = "" if r["vs_jax"] is None else f"{r['vs_jax']:.2f}"
-        lines.append(f"{r['impl'][:40]:40s} {r['mode']:8s} {r['dtype']:7s} {r['threads']:>3d} "
+        lines.append(f"{_short(r['impl'])[:36]:36s} {r['mode']:8s} {r['dtype']:7s} "
+                     f"{r['threads']:>3d} "
                      f"{r['n']:>8d} {r['ns_per_unknown']:7.2f} {gtsv:>6s} {jax:>6s} "
                      f"{r['floor_ns_per_unknown']:6.2f}")
     return "\n".join(lines)
@@ -1020,17 +1204,21 @@ def _short(impl: str) -> str:
 
 
 def format_against_jax(rows) -> str:
-    lines = ["Ours / JAX (interleaved medians; below 1: ours is faster). backward: our forward + "
-             "backward against jax.grad, all four gradients. Each thread count in a process "
-             "pinned to that many cores.",
-             f"{'dtype':8s} {'thr':>3s} {'xla':>3s} {'n':>8s} {'batch':>6s} {'mode':8s} "
-             f"{'ours':38s} {'ours':>10s} {'ratio':>6s} {'/eager':>6s}"]
+    """The rows of :func:`run_against_jax` as a table (at most ``SUMMARY_WIDTH`` columns)."""
+    lines = textwrap.wrap(
+        "Ours / JAX (interleaved medians; below 1: ours is faster). backward: our forward + "
+        "backward against jax.grad, all four gradients. Each thread count in a process pinned to "
+        "that many cores. ours: the final op as installed (driver=None), on LAPACK "
+        "(driver='lapack'), compiled (torch.compile).", SUMMARY_WIDTH)
+    lines.append(f"{'dtype':8s} {'thr':>3s} {'xla':>3s} {'n':>8s} {'batch':>6s} {'mode':8s} "
+                 f"{'ours':12s} {'time':>10s} {'ratio':>6s} {'/eager':>6s}")
     for r in rows:
         if r["impl"] != JAX_IMPL:
             eager = "" if r.get("vs_eager") is None else f"{r['vs_eager']:6.2f}"
             lines.append(f"{r['dtype']:8s} {r['threads']:>3d} {str(r.get('xla_threads')):>3s} "
-                         f"{r['n']:>8d} {r['batch']:>6d} {r['mode']:8s} {r['impl']:38s} "
-                         f"{r['seconds'] * 1e6:8.1f}us {r['ratio']:6.2f} {eager:>6s}")
+                         f"{r['n']:>8d} {r['batch']:>6d} {r['mode']:8s} "
+                         f"{_short(r['impl'])[:12]:12s} {_time_text(r['seconds']):>10s} "
+                         f"{r['ratio']:6.2f} {eager:>6s}")
     return "\n".join(lines)
 
 
@@ -1124,7 +1312,7 @@ CPP_ROUTES = {"driver='cpp'": (CPP_IMPLS[FINAL_CPP], None,
 
 
 def run_routes(cases=ROUTE_CASES, threads=(1,), modes=("forward", "backward"), min_time=0.1,
-               repeats=21, log=print):
+               repeats=21, log=print, recorder=None):
     """Time the final op as installed against the same op with one route removed, and against
     the simpler functions it replaces, float64, timed in alternation (:func:`_time_interleaved`;
     a route's monkeypatch is in force only while its own calls run).
@@ -1136,18 +1324,25 @@ def run_routes(cases=ROUTE_CASES, threads=(1,), modes=("forward", "backward"), m
     ``dtype``, ``threads``, ``seconds``, ``ratio`` = seconds / the op's as installed (above 1:
     the route that the row removes pays) and ``tells``."""
     routes = {**ROUTES, **(CPP_ROUTES if _cpp_or_log(log) else {})}
+    recorder = recorder or _NO_RECORDER
+    recorder.begin([dict(threads=count, n=n, batch=batch, mode=mode)
+                    for count in _thread_count_values(threads) for n, batch in cases
+                    for mode in modes])
     rows = []
     for actual in _each_thread_count(threads):
         for n, batch in cases:
             args = _problem(n, batch, torch.float64)
             for mode in modes:
+                if recorder.done(dict(threads=actual, n=n, batch=batch, mode=mode)):
+                    continue
                 fns = {route: _torch_callable(fn, args, mode)
                        for route, (fn, _, _) in routes.items()}
                 contexts = {route: context for route, (_, context, _) in routes.items()
                             if context is not None}
                 medians = _time_interleaved(fns, min_time, repeats, contexts)
+                case = []
                 for route, seconds in medians.items():
-                    rows.append(dict(route=route, mode=mode, n=n, batch=batch, dtype="float64",
+                    case.append(dict(route=route, mode=mode, n=n, batch=batch, dtype="float64",
                                      threads=actual, seconds=seconds,
                                      ratio=seconds / medians[ROUTE_AS_INSTALLED],
                                      tells=routes[route][2]))
@@ -1155,13 +1350,15 @@ def run_routes(cases=ROUTE_CASES, threads=(1,), modes=("forward", "backward"), m
                     f"as installed {medians[ROUTE_AS_INSTALLED] * 1e6:9.1f} us; / it: "
                     + "  ".join(f"{route} {medians[route] / medians[ROUTE_AS_INSTALLED]:.2f}"
                                 for route in routes if route != ROUTE_AS_INSTALLED))
+                rows += case
+                recorder.add(case, f"{actual} thr {_shape(n, batch)} {mode}")
     return rows
 
 
 def format_routes(rows) -> str:
-    lines = ["Routes: time / the final op's as installed (interleaved medians; above 1: the route "
-             "the row removes pays)",
-             f"{'case':>12s} {'mode':8s} {'route':48s} {'time':>10s} {'ratio':>6s}"]
+    lines = textwrap.wrap("Routes: time / the final op's as installed (interleaved medians; "
+                          "above 1: the route the row removes pays)", SUMMARY_WIDTH)
+    lines += [f"{'case':>12s} {'mode':8s} {'route':48s} {'time':>10s} {'ratio':>6s}"]
     for r in rows:
         case = f"{r['batch']} x {r['n']}" if r["batch"] else f"n = {r['n']}"
         lines.append(f"{case:>12s} {r['mode']:8s} {r['route']:48s} "
@@ -1235,65 +1432,490 @@ def _thread_counts(text: str) -> tuple:
     return tuple(None if t == "default" else int(t) for t in text.split(","))
 
 
-def _main_experiment(opts, key, run_experiment, quick_cases, merge=None, quick_extra=None,
-                     extra=None, threads="1,default"):
-    """``--compiled-only`` / ``--torch-kernels-only`` / ``--jax-only`` / ``--cliffs-only`` /
-    ``--routes-only``: one experiment's rows (under ``key``, with ``key_machine`` and
-    ``key_config``), merged into an existing results file (``merge``, else ``--merge``).
-    ``quick_extra`` and ``extra``: more arguments of ``run_experiment`` (``--quick`` only, and
-    always). ``threads``: the experiment's thread counts where ``--threads`` is not given."""
-    report = {}
-    merge = merge or opts.merge
-    if merge:
-        with open(merge) as f:
-            report = json.load(f)
-    if opts.quick:
-        config = dict(cases=quick_cases, threads=(1,), min_time=0.001, repeats=3,
-                      **(quick_extra or {}))
-    else:
-        config = dict(min_time=opts.min_time, repeats=2 * opts.repeats + 1,
-                      threads=_thread_counts(opts.threads or threads))
-    config.update(extra or {})
-    started = time.perf_counter()
-    report[key] = run_experiment(**config)
-    config["wall_seconds"] = round(time.perf_counter() - started, 1)
-    report[f"{key}_machine"] = machine_info()
-    report[f"{key}_config"] = {k: str(v) for k, v in config.items()}
-    with open(opts.out, "w") as f:
-        json.dump(report, f, indent=1)
-    print(f"\nwrote {opts.out}")
-    return report
+# ---------------------------------------------------------------------------------------------
+# The command line: rows written as they are measured, progress on stderr, runs that continue.
+
+SUMMARY_WIDTH = 100  # the printed tables fit in this many columns
 
 
-def _against_jax_options(opts) -> dict:
-    """``_main_experiment``'s extra arguments of :func:`run_against_jax`: with ``--quick`` the
-    compiled rows at n = 100 only; none with ``--no-compile``."""
-    if opts.no_compile:
-        return dict(extra=dict(compiled_cases=()))
-    return dict(quick_extra=dict(compiled_cases=[(100, 0)]))
+def _compact(n: int) -> str:
+    """``n`` in few characters: ``1e5`` for a power of ten from 10^4 on, else the digits."""
+    for k in range(4, 19):
+        if n == 10**k:
+            return f"1e{k}"
+    return str(n)
 
 
-def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="tiny sizes, one dtype: a smoke test")
+def _time_text(seconds) -> str:
+    """A time in a few characters: three or four digits and a unit (``1.23ms``, ``456us``)."""
+    if seconds is None:
+        return "-"
+    for unit, scale in (("ns", 1e-9), ("us", 1e-6), ("ms", 1e-3), ("s", 1.0)):
+        value = seconds / scale
+        if value < 999.5:
+            break
+    return f"{value:.{2 if value < 9.995 else 1 if value < 99.95 else 0}f}{unit}"
+
+
+_RESULT_LABELS = {FINAL: "final op", FINAL_LAPACK: "final op, lapack", FINAL_CPP: "final op, cpp"}
+
+
+def _result_label(row) -> str:
+    label = _RESULT_LABELS.get(row["impl"], row["impl"])
+    return (label + (" [compiled]" if row.get("compiled") else ""))[:30]
+
+
+def format_results(rows, width=SUMMARY_WIDTH) -> str:
+    """The rows of :func:`run` as tables of median times per call, one per mode, dtype and thread
+    count: an implementation a line, a case a column (``n=100``: one system of 100 unknowns;
+    ``16x8``: 16 systems of 8), split into tables of fewer columns where the cases would not fit
+    in ``width`` characters."""
+    groups = {}
+    for r in rows:
+        groups.setdefault((r["mode"], r["dtype"], r["threads"]), []).append(r)
+    order = sorted(groups, key=lambda g: (MODES.index(g[0]) if g[0] in MODES else len(MODES),
+                                          str(g[1]), g[2]))
+    lines = textwrap.wrap(
+        "Median time per call. A column per case: n=100 is one system of 100 unknowns, 1024x256 "
+        "a batch of 1024 systems of 256. final op: tridiagonal_solve as installed (driver=None); "
+        "final op, lapack / cpp: with driver='lapack' / 'cpp'.", width)
+    for mode, dtype, threads in order:
+        group = groups[mode, dtype, threads]
+        labels = list(dict.fromkeys(_result_label(r) for r in group))
+        cases = list(dict.fromkeys((r["n"], r["batch"]) for r in group))
+        cells = {}
+        for r in group:
+            error = r.get("error") or ""
+            cells[_result_label(r), (r["n"], r["batch"])] = (
+                _time_text(r["seconds"]) if r["seconds"] is not None
+                else "not run" if error.startswith("not run") else "failed")
+        headers = {case: (f"{_compact(case[1])}x{_compact(case[0])}" if case[1]
+                          else f"n={_compact(case[0])}") for case in cases}
+        widths = {case: max([len(headers[case])] + [len(cells.get((label, case), ""))
+                                                     for label in labels]) for case in cases}
+        label_width = max(len(label) for label in labels)
+        chunks, used = [[]], label_width
+        for case in cases:
+            if chunks[-1] and used + 1 + widths[case] > width:
+                chunks.append([])
+                used = label_width
+            chunks[-1].append(case)
+            used += 1 + widths[case]
+        for i, chunk in enumerate(chunks):
+            part = f" ({i + 1}/{len(chunks)})" if len(chunks) > 1 else ""
+            lines += ["", f"{mode}, {dtype}, {threads} thread(s){part}",
+                      " " * label_width + "".join(f" {headers[c]:>{widths[c]}s}" for c in chunk)]
+            for label in labels:
+                if any((label, c) in cells for c in chunk):
+                    lines.append(f"{label:{label_width}s}" + "".join(
+                        f" {cells.get((label, c), ''):>{widths[c]}s}" for c in chunk))
+    return "\n".join(lines)
+
+
+def _duration(seconds: float) -> str:
+    if seconds < 90:
+        return f"{seconds:.0f} s"
+    if seconds < 90 * 60:
+        return f"{seconds / 60:.0f} min"
+    return f"{seconds // 3600:.0f} h {seconds % 3600 / 60:02.0f} min"
+
+
+class Progress:
+    """How far a run is, on ``stream`` (standard error). On a terminal: a status line rewritten in
+    place after each row, ``[57/412] main suite: float64 1 thr n=1e5 forward final op ~12 min
+    left``, cleared while a log line is printed (:meth:`log`, on ``out``: standard output).
+    Elsewhere (a pipe, a file, CI): plain lines only, no carriage returns: one when a part of the
+    run begins, then at most one every ``every`` seconds, and one when it ends.
+
+    The estimate of the time left is the part's time per row so far times its rows left.
+    ``tty`` overrides ``stream.isatty()``; ``clock`` and ``width`` are for tests."""
+
+    def __init__(self, stream=None, out=None, tty=None, clock=time.monotonic, every=60.0,
+                 width=None):
+        self.stream = sys.stderr if stream is None else stream
+        self._out = out
+        if tty is None:
+            isatty = getattr(self.stream, "isatty", None)
+            tty = bool(isatty and isatty())
+        self.tty, self.clock, self.every, self._width = tty, clock, every, width
+        self.name, self.total, self.count, self.status, self.shown = None, 0, 0, "", False
+        self.started = self.last = clock()
+
+    @property
+    def out(self):
+        return sys.stdout if self._out is None else self._out
+
+    def width(self) -> int:
+        if self._width:
+            return self._width
+        try:
+            columns = os.get_terminal_size(self.stream.fileno()).columns
+        except (AttributeError, OSError, ValueError):
+            columns = 0
+        return columns if columns > 0 else shutil.get_terminal_size((SUMMARY_WIDTH, 24)).columns
+
+    def begin(self, name: str, total: int, kept: int = 0, units: str = "rows"):
+        """A part of the run begins: ``total`` rows (``units``) to measure, ``kept`` kept from a
+        run that did not finish."""
+        self.clear()
+        self.name, self.total, self.count = name, total, 0
+        self.started = self.last = self.clock()
+        self._line(f"{name}: {total} {units} to measure"
+                   + (f" ({kept} measured before, kept)" if kept else ""))
+        self.status = f"[0/{total}] {name}: estimating the time left"
+        self._draw()
+
+    def advance(self, label: str = ""):
+        """One more row (or case timed in alternation) measured: ``label``."""
+        self.count += 1
+        elapsed = self.clock() - self.started
+        left = ("done" if self.count >= self.total else
+                f"~{_duration(elapsed / self.count * (self.total - self.count))} left")
+        head = f"[{self.count}/{self.total}] {self.name}: "
+        room = self.width() - 1 - len(head) - len(left) - 1
+        if len(label) > room:
+            label = label[:max(room - 3, 0)] + "..."
+        self.status = f"{head}{label} {left}"
+        if self.tty:
+            self._draw()
+        elif self.clock() - self.last >= self.every:
+            self._line(self.status)
+            self.last = self.clock()
+
+    def end(self):
+        """The part of the run is over."""
+        if self.name is None:
+            return
+        self.clear()
+        self._line(f"{self.name}: {self.count} measured in "
+                   f"{_duration(self.clock() - self.started)}")
+        self.name, self.status = None, ""
+
+    def log(self, line: str):
+        """Print a line of the run's log on ``out``, the status line (if any) below it."""
+        self.clear()
+        print(line, file=self.out, flush=True)
+        self._draw()
+
+    def clear(self):
+        """Erase the status line (a terminal only); :meth:`advance` draws it again."""
+        if self.shown:
+            self.stream.write("\r\x1b[K")
+            self.stream.flush()
+            self.shown = False
+
+    def _draw(self):
+        if self.tty and self.status:
+            self.stream.write("\r\x1b[K" + self.status)
+            self.stream.flush()
+            self.shown = True
+
+    def _line(self, text: str):
+        self.clear()
+        print(text, file=self.stream, flush=True)
+
+
+# Where a run has not finished, the results file says so under this key: {suite key: the
+# settings and machine of the run}; a run with --merge of that file and the same settings and
+# machine keeps that suite's rows and measures only the others (see _Suite).
+UNFINISHED = "unfinished_run"
+# What identifies a row (or a case timed in alternation: a "unit") in each suite's list.
+UNIT_FIELDS = {
+    "results": ("impl", "mode", "compiled", "n", "batch", "dtype", "threads"),  # = _case
+    "time_stepping": ("kernel", "dtype", "threads", "n", "batch", "k", "steps", "mode"),
+    "compiled_kernel": ("threads", "n", "batch"),
+    "torch_kernels": ("threads", "n", "batch"),
+    "cliffs": ("kernel", "op", "threads", "batch", "n"),
+    "routes": ("threads", "n", "batch", "mode"),
+    "against_jax": ("dtype", "threads", "n", "batch", "mode"),
+    "one_system": ("dtype", "threads", "n"),
+}
+SUITE_NAMES = {"results": "main suite", "time_stepping": "time stepping",
+               "compiled_kernel": "compiled kernel", "torch_kernels": "torch kernels",
+               "cliffs": "cliffs", "routes": "routes", "against_jax": "against JAX",
+               "one_system": "one system"}
+# what a unit is called in each suite's messages
+UNIT_WORDS = {"results": "rows", "time_stepping": "rows"}  # else "cases"
+# machine_info()'s entries that may change between two parts of one measurement (the rows
+# record their own thread counts)
+_NOT_IDENTITY = ("date", "load_average", "default_threads")
+
+
+class _NoRecorder:
+    """The recorder of a call from Python: nothing measured before, nothing recorded."""
+
+    def begin(self, units):
+        pass
+
+    def done(self, unit: dict) -> bool:
+        return False
+
+    def add(self, rows, label=None):
+        pass
+
+
+_NO_RECORDER = _NoRecorder()
+
+
+def _thread_count_values(threads) -> list:
+    """The thread counts that :func:`_each_thread_count` will set (``None``: torch's current)."""
+    return [t or torch.get_num_threads() for t in threads]
+
+
+def _file_mode(path: str) -> int:
+    try:
+        return os.stat(path).st_mode & 0o777
+    except OSError:
+        umask = os.umask(0)
+        os.umask(umask)
+        return 0o666 & ~umask
+
+
+def _write_json(path: str, data):
+    """Write ``data`` to ``path`` atomically: into a temporary file in the same folder, then
+    ``os.replace``; an interrupt in the middle leaves the previous version, never half a file."""
+    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(os.path.abspath(path)),
+                               prefix=f".{os.path.basename(path)}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(data, f, indent=1)
+        os.chmod(tmp, _file_mode(path))
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+
+
+class _Suite:
+    """One experiment's rows in the results file of a run (its recorder): the experiment calls
+    :meth:`begin` with the units it will measure, skips those that :meth:`done` says a run
+    being continued has measured, and gives each unit's rows to :meth:`add`, which rewrites the
+    file at once.
+
+    The rows under ``key``: those of this run, then the merged file's rows that stay: with
+    ``replace_cases`` those of units this run does not measure (the main suite, the time
+    stepping); without, none (an experiment's list is replaced whole), except, either way, the
+    units kept from a run being continued. That is a run that wrote ``UNFINISHED[key]`` equal to
+    this run's (the same settings and ``machine_info()`` but for ``_NOT_IDENTITY``); its rows of
+    units in this run's plan are kept, not measured again (in the main suite, those with a
+    time: a failed row is measured again)."""
+
+    def __init__(self, report, key, config, settings=None, replace_cases=True, wall=False,
+                 on_store=None):
+        self.report, self.key, self.name = report, key, SUITE_NAMES[key]
+        self.units = UNIT_WORDS.get(key, "cases")
+        self.fields = UNIT_FIELDS[key]
+        self.machine_key, self.config_key = (("machine", "config") if key == "results"
+                                             else (f"{key}_machine", f"{key}_config"))
+        self.config = {k: str(v) for k, v in config.items()}
+        settings = {**self.config, **{k: str(v) for k, v in (settings or {}).items()}}
+        identity = {k: v for k, v in report.machine.items() if k not in _NOT_IDENTITY}
+        self.marker = json.loads(json.dumps(dict(settings=settings, machine=identity)))
+        earlier = report.data.get(key) or []
+        if key == "results":
+            earlier = [r for r in earlier if r.get("impl") not in RETIRED_IMPLS]
+        self.earlier = earlier
+        self.resumed = report.merged_unfinished.get(key) == self.marker
+        self.measured = {self.unit(r) for r in earlier if self.resumed
+                         and (key != "results" or r.get("seconds") is not None)}
+        self.wall_before = 0.0
+        if self.resumed and wall:
+            self.wall_before = float(report.data.get(self.config_key, {}).get("wall_seconds", 0))
+        self.replace_cases, self.wall, self.on_store = replace_cases, wall, on_store
+        self.plan, self.kept, self.new, self.count, self.total = set(), set(), [], 0, 0
+        self.started = time.perf_counter()
+
+    def unit(self, row) -> tuple:
+        return tuple(row.get(f) for f in self.fields)
+
+    def begin(self, units):
+        self.plan = {self.unit(u) for u in units}
+        self.kept = self.measured & self.plan
+        self.total = len(self.plan - self.kept)
+        self.report.unfinished[self.key] = self.marker
+        self.report.active = self
+        self.store()
+        self.report.progress.begin(self.name, self.total, kept=len(self.kept), units=self.units)
+
+    def done(self, unit: dict) -> bool:
+        return self.unit(unit) in self.kept
+
+    def add(self, rows, label=None):
+        """``rows`` (one unit's) measured; ``label`` ``None``: rows not timed (not run)."""
+        self.new += rows
+        if label is not None:
+            self.count += 1
+        self.store()
+        if label is not None:
+            self.report.progress.advance(label)
+
+    def rows(self) -> list:
+        replaced = self.plan | {self.unit(r) for r in self.new}
+        return [r for r in self.earlier if self.unit(r) in self.kept
+                or (self.replace_cases and self.unit(r) not in replaced)] + self.new
+
+    def this_run(self) -> list:
+        """The rows of this run's plan: those kept from the run continued, and the new ones."""
+        return [r for r in self.earlier if self.unit(r) in self.kept] + self.new
+
+    def store(self):
+        """Put the rows so far in the report and write it."""
+        data = self.report.data
+        rows = self.rows()
+        data[self.key] = rows
+        data[self.machine_key] = self.report.machine
+        config = dict(self.config)
+        if self.wall:
+            elapsed = self.wall_before + time.perf_counter() - self.started
+            config["wall_seconds"] = str(round(elapsed, 1))
+        data[self.config_key] = config
+        if self.on_store is not None:
+            self.on_store(data, rows)
+        self.report.write()
+
+    def finish(self):
+        self.store()
+        self.report.active = None
+        self.report.progress.end()
+
+
+class _Report:
+    """The results file that a run writes (``out``): the merged file's content (``merged``,
+    ``--merge``), each experiment's rows (:class:`_Suite`) as they are measured."""
+
+    def __init__(self, out, merged=None, progress=None, merge=None):
+        self.out, self.merge = out, merge
+        self.merged = merged or {}
+        unfinished = self.merged.get(UNFINISHED)
+        self.merged_unfinished = dict(unfinished) if isinstance(unfinished, dict) else {}
+        self.unfinished = dict(self.merged_unfinished)
+        self.data = {k: v for k, v in self.merged.items() if k != UNFINISHED}
+        self.progress = progress or Progress()
+        self.active, self.written, self.suites, self._machine = None, False, [], None
+
+    @property
+    def machine(self) -> dict:
+        if self._machine is None:
+            self._machine = machine_info()
+        return self._machine
+
+    def suite(self, key, config, **options) -> _Suite:
+        suite = _Suite(self, key, config, **options)
+        self.suites.append(suite)
+        return suite
+
+    def write(self):
+        data = dict(self.data)
+        if self.unfinished:
+            data[UNFINISHED] = self.unfinished
+        _write_json(self.out, data)
+        self.written = True
+
+    def finish(self) -> dict:
+        """The run is over: its experiments' rows no longer say that it did not finish."""
+        for suite in self.suites:
+            self.unfinished.pop(suite.key, None)
+        self.write()
+        return self.data
+
+    def interrupted(self):
+        """Write what was measured (again: the interrupt may have come during a write) and say
+        so, on standard error."""
+        self.progress.clear()
+        if self.active is not None:
+            self.active.store()
+        if not self.written:
+            message = f"Interrupted before anything was measured: {self.out} was not written."
+        else:
+            suite = self.active
+            where = (f" ({suite.name}: {suite.count} of {suite.total} {suite.units} measured)"
+                     if suite else "")
+            again = ("run the same command again" if self.merge and os.path.exists(self.merge)
+                     and os.path.samefile(self.merge, self.out)
+                     else f"run the command again with --merge {self.out}")
+            message = (f"Interrupted{where}. {self.out} keeps all that this run measured; to "
+                       f"continue, {again}.")
+        print("\n" + message, file=sys.stderr, flush=True)
+
+
+def _store_targets(data, results):
+    data["targets"] = evaluate_targets(results)
+
+
+DEFAULT_MIN_TIME, DEFAULT_REPEATS = 0.2, 7
+
+DESCRIPTION = """\
+Benchmark every solver in the book against raw LAPACK ?gtsv and, when installed, JAX.
+
+Without an --...-only switch it runs the main suite (every implementation, forward and
+forward + backward, one system of n = 1e2 to 1e6 and three batches, float32 and float64, on
+one thread and on torch's default thread count), then the time-stepping experiment, then the
+interleaved comparison with JAX. With --min-time 0.1 --repeats 4 (the settings of the book's
+figures) the main suite and the comparison with JAX took about 17 minutes on a 2-core
+machine; the defaults time each case 3.5 times as long. Each figure is a median time per
+call measured with torch.utils.benchmark (in the interleaved experiments, of blocks timed in
+alternation with what they are compared with).
+
+examples:
+  python -m tridiag_tutorial.benchmarks --quick --out quick.json    tiny sizes: a smoke test
+  python -m tridiag_tutorial.benchmarks --out results.json          the full suite
+  python -m tridiag_tutorial.benchmarks --merge results.json --out results.json
+                                          continue a run that was interrupted
+"""
+
+EPILOG = """\
+progress:
+  On a terminal, a status line on stderr shows the rows measured, the one just measured and
+  an estimate of the time left in that part of the run (from its time per row so far).
+  Elsewhere (a pipe, CI) stderr gets plain lines: when each part begins, about one a minute,
+  and when it ends. stdout gets a line per measurement and summary tables at the end.
+
+results file, interrupts and --merge:
+  Each row is written to --out as soon as it is measured (the file is replaced atomically, so
+  it is valid JSON at every moment). Ctrl-C stops the run, keeps what was measured and exits
+  with status 130; to continue, run the command again with --merge OUT. With --merge, the
+  merged file's entries that this run does not write are kept, and so are its rows of cases
+  this run does not measure. The rows of a run that did not finish are kept, not measured
+  again, when this run has the same settings (--quick, --min-time, --repeats, --threads,
+  --no-compile, --no-jax, --no-cpp) on the same machine (CPU, cores, affinity, versions,
+  OMP/MKL/OPENBLAS/XLA variables). The same row: in the main suite, the same implementation,
+  mode, compiled or not, n, batch, dtype and thread count; in the other experiments, the
+  same case (its rows are timed together, in alternation).
+"""
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m tridiag_tutorial.benchmarks",
+                                     description=DESCRIPTION, epilog=EPILOG,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true",
+                        help="tiny sizes, one dtype, one thread: a smoke test (about half a "
+                             "minute); each case timed for 0.001 s x 3 unless --min-time or "
+                             "--repeats is given")
     parser.add_argument("--no-compile", action="store_true", help="skip torch.compile cases")
     parser.add_argument("--no-jax", action="store_true",
                         help="skip JAX's rows even when jax is installed")
     parser.add_argument("--no-cpp", action="store_true",
                         help="skip the rows of the final op with driver='cpp' (the rows of "
                              "driver=None run the kernel it chooses all the same)")
-    parser.add_argument("--out", default="benchmark_results.json", help="JSON file to write")
-    parser.add_argument("--min-time", type=float, default=0.2,
-                        help="seconds per repeat: each case is timed for min-time x repeats "
-                             "seconds (and the interleaved experiments in blocks of min-time)")
-    parser.add_argument("--repeats", type=int, default=7, help="repeats per case")
+    parser.add_argument("--out", default="benchmark_results.json",
+                        help="JSON file to write (default: benchmark_results.json)")
+    parser.add_argument("--min-time", type=float,
+                        help=f"seconds per repeat (default {DEFAULT_MIN_TIME}): the main suite "
+                             "times each case for min-time x repeats seconds; the interleaved "
+                             "experiments time 2 x repeats + 1 blocks of min-time")
+    parser.add_argument("--repeats", type=int,
+                        help=f"repeats per case (default {DEFAULT_REPEATS})")
     parser.add_argument("--threads",
                         help="comma-separated thread counts; 'default' is torch's default "
                              "(for --jax-only: every core this process may use); if not given, "
-                             "1,default (for --routes-only: 1)")
-    parser.add_argument("--merge", help="a previous results JSON: its keys that this run does not "
-                                             "write are kept, and its result rows of cases this "
-                                             "run does not measure")
+                             "1,default (for --routes-only: 1; for --one-system-only: 1,2)")
+    parser.add_argument("--merge", metavar="FILE",
+                        help="a previous results JSON: its entries that this run does not "
+                             "write are kept, and its rows of cases this run does not measure; "
+                             "the rows of a run that did not finish (interrupted), with the same "
+                             "settings on the same machine, are kept and not measured again")
     parser.add_argument("--no-steps", action="store_true",
                         help="skip the time-stepping experiment (run_time_stepping)")
     parser.add_argument("--steps-only", action="store_true",
@@ -1321,89 +1943,138 @@ def main(argv=None):
     parser.add_argument("--torch-kernels-only", action="store_true",
                         help="run only the experiment on the kernels in torch ops "
                              "(run_torch_kernels); with --merge, keep the rest of the merged file")
-    opts = parser.parse_args(argv)
-    if opts.compiled_only:
-        return _main_experiment(opts, "compiled_kernel", run_compiled_kernel, [(8, 16), (100, 0)])
-    if opts.cliffs_only:
-        return _main_experiment(opts, "cliffs", run_cliffs, [(16, 8), (8, 64)])
-    if opts.torch_kernels_only:
-        return _main_experiment(opts, "torch_kernels", run_torch_kernels, [(16, 4), (100, 0)])
-    if opts.one_system_only:
-        report = _main_experiment(opts, "one_system", run_one_system, [10**4], threads="1,2")
-        print(format_one_system(report["one_system"]))
-        return report
-    if opts.routes_only:
-        report = _main_experiment(opts, "routes", run_routes, [(100, 0), (8, 16)], threads="1")
-        print(format_routes(report["routes"]))
-        return report
-    if opts.jax_only:
-        report = _main_experiment(opts, "against_jax", run_against_jax, [(8, 16), (100, 0)],
-                                  **_against_jax_options(opts))
-        print(format_against_jax(report["against_jax"]))
-        return report
+    return parser
+
+
+def _timing(opts):
+    """``(min_time, repeats, interleaved repeats)`` of the run: the options', else the defaults
+    (``--quick``: 0.001 s, 3 and 3)."""
+    quick = opts.quick and opts.repeats is None
+    min_time = opts.min_time if opts.min_time is not None else (
+        0.001 if opts.quick else DEFAULT_MIN_TIME)
+    repeats = opts.repeats if opts.repeats is not None else DEFAULT_REPEATS
+    return min_time, 3 if quick else repeats, 3 if quick else 2 * repeats + 1
+
+
+def _main_experiment(opts, report, key, run_experiment, quick_cases, quick_extra=None,
+                     extra=None, threads="1,default"):
+    """``--compiled-only`` / ``--torch-kernels-only`` / ``--jax-only`` / ``--cliffs-only`` /
+    ``--routes-only`` / ``--one-system-only``, and the full run's comparison with JAX: one
+    experiment's rows (under ``key``, with ``key_machine`` and ``key_config``) in ``report``.
+    ``quick_extra`` and ``extra``: more arguments of ``run_experiment`` (``--quick`` only, and
+    always). ``threads``: the experiment's thread counts where ``--threads`` is not given."""
+    min_time, _, repeats = _timing(opts)
+    if opts.quick:
+        config = dict(cases=quick_cases, threads=(1,), min_time=min_time, repeats=repeats,
+                      **(quick_extra or {}))
+    else:
+        config = dict(min_time=min_time, repeats=repeats,
+                      threads=_thread_counts(opts.threads or threads))
+    config.update(extra or {})
+    suite = report.suite(key, config, replace_cases=False, wall=True)
+    run_experiment(**config, log=report.progress.log, recorder=suite)
+    suite.finish()
+    return report.data[key]
+
+
+def _against_jax_options(opts) -> dict:
+    """``_main_experiment``'s extra arguments of :func:`run_against_jax`: with ``--quick`` the
+    compiled rows at n = 100 only; none with ``--no-compile``."""
+    if opts.no_compile:
+        return dict(extra=dict(compiled_cases=()))
+    return dict(quick_extra=dict(compiled_cases=[(100, 0)]))
+
+
+def _measure(opts, report) -> list:
+    """Run what ``opts`` asks for into ``report``; returns the summary tables to print."""
+    only = [("compiled_only", "compiled_kernel", run_compiled_kernel, [(8, 16), (100, 0)], {}),
+            ("cliffs_only", "cliffs", run_cliffs, [(16, 8), (8, 64)], {}),
+            ("torch_kernels_only", "torch_kernels", run_torch_kernels, [(16, 4), (100, 0)], {}),
+            ("one_system_only", "one_system", run_one_system, [10**4], dict(threads="1,2")),
+            ("routes_only", "routes", run_routes, [(100, 0), (8, 16)], dict(threads="1")),
+            ("jax_only", "against_jax", run_against_jax, [(8, 16), (100, 0)],
+             _against_jax_options(opts))]
+    tables = {"one_system": format_one_system, "routes": format_routes,
+              "against_jax": format_against_jax}
+    for switch, key, experiment, quick_cases, options in only:
+        if getattr(opts, switch):
+            rows = _main_experiment(opts, report, key, experiment, quick_cases, **options)
+            return [tables[key](rows)] if key in tables else []
+    min_time, repeats, step_repeats = _timing(opts)
     if opts.quick:
         config = dict(sizes=[8, 100], batches=[(16, 8)], dtypes=(torch.float64,), threads=(1,),
-                      min_time=0.001, repeats=3)
+                      min_time=min_time, repeats=repeats)
         steps_config = dict(cases={"LAPACK": [(8, 0, None), (8, 16, 2)],
                                    "pure-torch kernel": [(8, 4, None)]},
-                            steps=3, threads=(1,), min_time=0.001, repeats=3)
+                            steps=3, threads=(1,), min_time=min_time, repeats=step_repeats)
     else:
         threads = _thread_counts(opts.threads or "1,default")
-        config = dict(min_time=opts.min_time, repeats=opts.repeats, threads=threads)
-        steps_config = dict(min_time=opts.min_time, repeats=2 * opts.repeats + 1,
-                            threads=threads)
-    earlier = {"results": [], "time_stepping": []}
-    kept, merged = {}, {}  # kept: the merged file's keys that this suite no longer produces
+        config = dict(min_time=min_time, repeats=repeats, threads=threads)
+        steps_config = dict(min_time=min_time, repeats=step_repeats, threads=threads)
+    log = report.progress.log
+    summary = []
+    if not opts.steps_only:
+        suite = report.suite("results", config, on_store=_store_targets,
+                             settings=dict(compile=not opts.no_compile, jax=not opts.no_jax,
+                                           cpp=not opts.no_cpp))
+        run(compile=not opts.no_compile, jax=not opts.no_jax, cpp=not opts.no_cpp, log=log,
+            recorder=suite, **config)
+        suite.finish()
+        summary.append(format_results(suite.this_run()))
+    else:  # the merged file's main rows stay, as they were measured
+        data = report.data
+        data["results"] = [r for r in data.get("results", [])
+                           if r.get("impl") not in RETIRED_IMPLS]
+        data["targets"] = evaluate_targets(data["results"])
+        data.setdefault("machine", report.machine)
+        data.setdefault("config", {k: str(v) for k, v in config.items()})
+    if not opts.no_steps:
+        # --steps-only replaces the merged file's time-stepping rows; the full run those of the
+        # cases it measures
+        steps = report.suite("time_stepping", steps_config, replace_cases=not opts.steps_only)
+        run_time_stepping(log=log, recorder=steps, **steps_config)
+        steps.finish()
+    report.data.setdefault("time_stepping", [])
+    if not opts.no_jax and not opts.steps_only and _jax() is not None:
+        rows = _main_experiment(opts, report, "against_jax", run_against_jax, [(8, 16), (100, 0)],
+                                **_against_jax_options(opts))
+        summary.append(format_against_jax(rows))
+    if report.data["time_stepping"]:
+        summary.append(format_steps_table(report.data["time_stepping"]))
+    return summary
+
+
+def main(argv=None):
+    """The command line (``python -m tridiag_tutorial.benchmarks --help``): measure, write the
+    results file as rows are measured, print the summary; returns the report written. An
+    interrupt (``KeyboardInterrupt``) leaves the rows measured in the file, says so on standard
+    error and propagates."""
+    opts = _parser().parse_args(argv)
+    merged = {}
     if opts.merge:
         with open(opts.merge) as f:
             merged = json.load(f)
-        earlier = {key: merged.get(key, []) for key in earlier}
-        earlier["results"] = [r for r in earlier["results"] if r.get("impl") not in RETIRED_IMPLS]
-        kept = {k: v for k, v in merged.items()
-                if k not in earlier and k not in ("machine", "config", "targets",
-                                                  "time_stepping_machine", "time_stepping_config")}
-        if opts.steps_only:
-            earlier["time_stepping"] = []
-
-    def write(results, steps=()):
-        measured = {_case(r) for r in results}  # the merged file's rows of these cases are stale
-        results = [r for r in earlier["results"] if _case(r) not in measured] + results
-        machine = machine_info()
-        this_config = {k: str(v) for k, v in config.items()}
-        report = {"machine": merged.get("machine", machine) if opts.steps_only else machine,
-                  "config": merged.get("config", this_config) if opts.steps_only else this_config,
-                  "results": results, "targets": evaluate_targets(results),
-                  "time_stepping": earlier["time_stepping"] + list(steps), **kept}
-        if steps:
-            report["time_stepping_machine"] = machine
-            report["time_stepping_config"] = {k: str(v) for k, v in steps_config.items()}
-        else:  # the merged file's time-stepping rows stay, and so does what describes them
-            for key in ("time_stepping_machine", "time_stepping_config"):
-                if key in merged:
-                    report[key] = merged[key]
-        with open(opts.out, "w") as f:
-            json.dump(report, f, indent=1)
-        return report
-
-    measurements = []
-    results = [] if opts.steps_only else run(
-        compile=not opts.no_compile, jax=not opts.no_jax, cpp=not opts.no_cpp, progress=write,
-        measurements=measurements, **config)
-    steps = [] if opts.no_steps else run_time_stepping(**steps_config)
-    report = write(results, steps)
-    if measurements:  # this run's measurements, one table per mode, dtype and thread count
-        compare = benchmark.Compare(measurements)
-        compare.trim_significant_figures()
-        compare.print()
-    if not opts.no_jax and not opts.steps_only and _jax() is not None:
-        report = _main_experiment(opts, "against_jax", run_against_jax, [(8, 16), (100, 0)],
-                                  merge=opts.out, **_against_jax_options(opts))
-        print(format_against_jax(report["against_jax"]))
-    if report["time_stepping"]:
-        print("\n" + format_steps_table(report["time_stepping"]))
+    report = _Report(opts.out, merged, Progress(), merge=opts.merge)
+    try:
+        summary = _measure(opts, report)
+        data = report.finish()
+    except KeyboardInterrupt:
+        report.interrupted()
+        raise
+    for table in summary:
+        print("\n" + table)
     print(f"\nwrote {opts.out}")
-    return report
+    return data
+
+
+def _cli():
+    """``python -m tridiag_tutorial.benchmarks``: :func:`main`, and on an interrupt exit status
+    130 without a traceback (main has said what was kept)."""
+    try:
+        main()
+    except KeyboardInterrupt:
+        sys.exit(130)
 
 
 if __name__ == "__main__":
-    main()
+    _cli()
