@@ -245,6 +245,24 @@ def test_factor_functions_refuse_drivers_without_factors(driver):
         tridiagonal_lu_solve(factors, rhs, driver=driver)
 
 
+@pytest.mark.parametrize("driver", kernels.DRIVERS)
+def test_solving_leaves_the_inputs_storage_resizable(driver):
+    """FSDP2 frees a parameter's memory by resizing its storage to 0 (and back) between steps. A
+    solve must not pin its inputs' storage: ``Tensor.numpy()`` on the LAPACK path did, and FSDP2
+    training through the op then failed with "Trying to resize storage that is not resizable"."""
+    if driver == "cpp":
+        require_cpp()
+    lower, diag, upper, rhs = (t.requires_grad_() for t in make_system(8, (2,), 3))
+    x = tridiagonal_solve(lower, diag, upper, rhs, driver=driver)
+    torch.autograd.grad(x.square().sum(), (lower, diag, upper, rhs))
+    factors = tridiagonal_lu_factor(lower, diag, upper, driver="lapack")
+    tridiagonal_lu_solve(factors, rhs, driver="lapack")
+    for t in (lower, diag, upper, rhs):
+        size = t.untyped_storage().nbytes()
+        t.untyped_storage().resize_(0)  # what FSDP2's free_storage does
+        t.untyped_storage().resize_(size)
+
+
 def test_cpp_driver_where_the_kernel_was_not_built(monkeypatch):
     """driver="cpp" without the C++ kernel: RuntimeError saying why and how to fix it
     (reinstall with a compiler) or what to use instead; driver=None goes to LAPACK."""

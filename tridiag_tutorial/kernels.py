@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import torch
 
 from . import _validation, compiled, lapack, partitioned
@@ -130,9 +131,10 @@ def resolve_factor_driver(driver: str | None, device: torch.device, name: str) -
 
 
 def _numpy(*tensors):
-    """NumPy views of the CPU tensors' data (a copy only for a lazily conjugated or negated tensor:
-    ``numpy(force=True)`` is ``detach().resolve_conj().resolve_neg().numpy()`` in one call)."""
-    return [t.numpy(force=True) for t in tensors]
+    """NumPy views of the CPU tensors' data (a copy only for a lazily conjugated or negated
+    tensor), through DLPack: ``Tensor.numpy()`` would mark the tensor's storage as one that can
+    never be resized again, and FSDP2 frees a parameter's memory by resizing its storage to 0."""
+    return [np.from_dlpack(t.detach().resolve_conj().resolve_neg()) for t in tensors]
 
 
 def factor(lower, diag, upper, driver: str):
