@@ -46,7 +46,7 @@ import torch
 from ._validation import SingularMatrixError
 
 __all__ = ["is_available", "library_path", "solve", "solve_ex", "solve_backward", "SPECULATIVE_MIN_N",
-           "BUILD_ERROR"]
+           "BUILD_ERROR", "repair_command"]
 
 # From this size on the speculative kernel measured faster than the sequential one (one thread,
 # float64: 0.96 of its time at n = 700, 0.76 at 1000, 0.6 at 1500 to 3000; float32 0.81 at 1000,
@@ -70,6 +70,7 @@ def _build_report() -> dict:
         return {}
 
 
+_REPORT: dict = {}
 if os.environ.get(DISABLE_ENV) == "1":
     _C = None
     BUILD_ERROR: str | None = f"switched off with {DISABLE_ENV}=1"
@@ -80,12 +81,69 @@ else:
         from . import _C
     except ImportError as err:  # not built at install, or built for another platform
         _C = None
-        _why = _build_report().get("error")
+        _REPORT = _build_report()
         # the cause the build recorded (no torch at build time, no compiler, a compile error);
-        # where it recorded none (a build from an older checkout, a copied module), the import's
-        BUILD_ERROR = _why or f"{type(err).__name__}: {err}"
+        # where the build succeeded or recorded nothing (a copied module, a library built for
+        # another platform), the import's own message
+        BUILD_ERROR = (_REPORT.get("error") if _REPORT.get("built") is False
+                       else f"{type(err).__name__}: {err}")
     else:
         BUILD_ERROR = None
+
+
+def _installed_from() -> tuple[str, bool]:
+    """``(source, editable)``: what pip installed the package from (PEP 610's
+    ``direct_url.json``): a folder, ``git+URL@commit``, or ``tridiag-tutorial==VERSION`` for an
+    install from an index (or where pip recorded nothing)."""
+    import json
+    from importlib import metadata
+    from urllib.parse import unquote, urlparse
+
+    try:
+        dist = metadata.distribution("tridiag-tutorial")
+        direct = json.loads(dist.read_text("direct_url.json") or "null")
+        version = dist.version
+    except (metadata.PackageNotFoundError, ValueError):
+        return "tridiag-tutorial", False
+    if not direct:
+        return f"tridiag-tutorial=={version}", False
+    url = direct.get("url", "")
+    if "vcs_info" in direct:
+        vcs = direct["vcs_info"]
+        return f"{vcs.get('vcs', 'git')}+{url}@{vcs.get('commit_id', '')}".rstrip("@"), False
+    if url.startswith("file://"):
+        return unquote(urlparse(url).path), bool(direct.get("dir_info", {}).get("editable"))
+    return url, False
+
+
+def repair_command() -> str:
+    """The command that builds the C++ kernel into this environment: the package installed again
+    from where it came from, with ``--no-deps`` so that torch and everything else stay as they
+    are (pip finds the installed torch and builds against it; see ``setup.py``)."""
+    import shlex
+    import sys
+
+    source, editable = _installed_from()
+    python = shlex.quote(sys.executable)
+    target = ("-e " if editable else "") + shlex.quote(source)
+    if source.startswith("tridiag-tutorial=="):
+        target += " --no-binary tridiag-tutorial"  # build from the sdist, here
+    if _REPORT.get("cause") == "no_torch":
+        # a front end that builds in an environment of its own, without torch: build here instead
+        return (f"{python} -m pip install 'setuptools>=77' && {python} -m pip install "
+                f"--force-reinstall --no-deps --no-build-isolation {target}")
+    return f"{python} -m pip install --force-reinstall --no-deps {target}"
+
+
+def missing_advice() -> str:
+    """Why the C++ kernel is missing and how to get it (or do without it)."""
+    if DISABLED:
+        return (f"it was switched off with {DISABLE_ENV}=1 (unset it, in a new process, to use "
+                "it), or use driver='lapack'")
+    first = ("install a C++ compiler (for example g++), then run "
+             if _REPORT.get("cause") == "no_compiler" else "run ")
+    return (f"it was not built when the package was installed ({BUILD_ERROR}). To build it, "
+            f"{first}{repair_command()} ; or use driver='lapack'")
 
 
 def is_available() -> bool:
@@ -102,10 +160,7 @@ def library_path() -> str:
 
 
 def _missing_message() -> str:
-    return ("tridiag_tutorial: the C++ kernel is not available: it was not built when the package "
-            f"was installed ({BUILD_ERROR}). Reinstall with a C++ compiler on PATH "
-            "(pip install --no-build-isolation --force-reinstall tridiag-tutorial from the source "
-            "tree), or use driver='lapack'.")
+    return f"tridiag_tutorial: the C++ kernel is not available: {missing_advice()}."
 
 
 def solve(lower: torch.Tensor, diag: torch.Tensor, upper: torch.Tensor,

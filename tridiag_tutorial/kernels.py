@@ -24,6 +24,8 @@ All functions here take validated inputs of one batch shape with a matrix right-
 from __future__ import annotations
 
 import math
+import sys
+import warnings
 
 import numpy as np
 import torch
@@ -114,9 +116,32 @@ def resolve_driver(driver: str | None, rhs: torch.Tensor, name: str = "tridiagon
         RuntimeError: ``"cpp"`` where the C++ kernel was not built.
     """
     if driver is None:  # math.prod, not numel(): numel() would specialize an exported batch size
-        return choose_driver(rhs.device.type, rhs.dtype, math.prod(rhs.shape[:-2]),
-                             rhs.shape[-2], _CPP)
+        batch = math.prod(rhs.shape[:-2])
+        chosen = choose_driver(rhs.device.type, rhs.dtype, batch, rhs.shape[-2], _CPP)
+        if not _CPP and not _warned and not compiled.DISABLED and not torch.compiler.is_compiling():
+            if choose_driver(rhs.device.type, rhs.dtype, batch, rhs.shape[-2], True) == "cpp":
+                _warn_missing_cpp()
+        return chosen
     return _check_driver(driver, DRIVERS, rhs.device, name)
+
+
+_warned = False
+
+
+def _warn_missing_cpp() -> None:
+    """One UserWarning per process, at the first solve that would have run on the C++ kernel had
+    it been built: the package works without it, more slowly, and the warning says how to build
+    it (or how to silence it)."""
+    global _warned
+    _warned = True
+    frame, level = sys._getframe(1), 1  # point at the caller's line, outside torch and this package
+    while frame is not None and frame.f_globals.get("__name__", "").split(".")[0] in (
+            "tridiag_tutorial", "torch"):
+        frame, level = frame.f_back, level + 1
+    warnings.warn(
+        f"tridiag_tutorial: the C++ kernel is not available, so this solve runs on LAPACK "
+        f"(slower): {compiled.missing_advice()}. Set {compiled.DISABLE_ENV}=1 to run without it "
+        "and without this warning.", UserWarning, stacklevel=level + 1)
 
 
 def resolve_factor_driver(driver: str | None, device: torch.device, name: str) -> str:
