@@ -4,7 +4,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed-stamp
 
-.PHONY: test check lint unit nbval book book-check browser-setup floors clean
+.PHONY: test check lint unit wheel wheel-test nbval book book-check browser-setup floors clean
 
 # The editable install builds the C++ kernel (setup.py: torch's CppExtension, stable ABI) against
 # the pinned torch; without build isolation, so that it builds against that torch. Where it
@@ -16,16 +16,23 @@ $(STAMP): requirements-pinned.txt pyproject.toml setup.py tridiag_tutorial/csrc/
 	$(PY) -c "import tridiag_tutorial as t, tridiag_tutorial.compiled as c; print('tridiag_tutorial: C++ kernel', 'built' if t.cpp_available() else f'NOT built ({c.BUILD_ERROR}); CPU solves run on LAPACK')"
 	touch $(STAMP)
 
-test: lint unit nbval
+test: lint unit wheel-test nbval
 
-# The edit-test loop, under a minute (25 to 40 s on a 2-core machine): the unit tests less those
-# marked `book` (the book build and the rendered HTML) and `slow` (listed by name in
-# tests/conftest.py: torch.compile of most graphs and Inductor, every composition on every kernel,
-# gradcheck at larger sizes and on every kernel, opcheck of every registered op, the accuracy
-# families, n = 1000 and n = 1e5 partitioned cases, the benchmark suites, and every test that
-# starts a fresh interpreter: the fuzz, the install and deployment checks, the route trace).
-# Every test module keeps its fast tests: solve against the dense reference, gradients,
-# factorization, validation and edge inputs on every kernel, and a few compiled graphs.
+# The edit-test loop, under a minute: 25 to 44 s on the 2-core development machine (`time make
+# check`, venv built, pytest start-up included, the machine more or less busy; about 2250 tests; 100
+# to 190 s before the slow set was widened). It runs the unit tests less those marked `book` (the
+# book build and the rendered HTML) and `slow` (listed by name in tests/conftest.py: torch.compile
+# of most graphs and Inductor, every composition on every kernel, the factored solve on every kernel
+# and size, gradcheck at larger sizes, in complex128 and on every kernel, opcheck of every
+# registered op, the accuracy families, n = 1000 to 1e5 (the partitioned and speculative kernels at
+# their largest sizes), k = 3 columns on batches of the C++ kernel, the benchmark suites and
+# experiments, and every test that starts a fresh interpreter or kernel: the fuzz, the install,
+# wheel and deployment checks, the chapters run without the C++ kernel, the sixteen-byte lanes of
+# the speculative kernel, the route trace).
+# Every test module keeps fast tests where it has cheap ones: solve against the dense reference
+# (every dtype, batch and column count), gradients and gradcheck, factorization with every
+# transpose, validation and edge inputs on every kernel, the speculative kernel bit for bit
+# against ?gtsv up to n = 4099, and a few compiled graphs.
 # `make unit` (part of `make test`) runs everything, slow and book tests included.
 check: $(STAMP)
 	$(PY) -m pytest tests -q -m "not book and not slow"
@@ -33,29 +40,46 @@ check: $(STAMP)
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 
-unit: $(STAMP) browser-setup
+# Every test, slow and book ones included. Installs nothing: the browser tests of
+# tests/test_book_html.py use the browser that `make browser-setup` found or installed; without
+# one they are skipped with that advice (in CI, CI=true, they fail).
+unit: $(STAMP)
 	$(PY) -m pytest tests
 
-# Strict nbval on every chapter, in a fresh venv with the package installed from a built wheel
-# and the notebooks copied outside the repository: how a Colab reader meets them.
-nbval: $(STAMP)
-	.ci/nbval_from_wheel.sh
+# The binary wheel as a release ships it (.ci/build_wheel.sh: pip wheel against the pinned torch,
+# then auditwheel repair: a stripped cp311-abi3 manylinux wheel without torch's libraries), built
+# again on every run from this checkout.
+WHEELHOUSE := build/wheelhouse
+wheel: $(STAMP)
+	.ci/build_wheel.sh $(WHEELHOUSE)
+
+# That wheel installed with no compiler into fresh venvs with torch 2.13.0 (the pin) and 2.14.1,
+# and the library's tests (`make check`'s selection) run against it there (.ci/test_wheel.sh;
+# the release workflow runs the same script).
+wheel-test: wheel
+	.ci/test_wheel.sh $(WHEELHOUSE)/tridiag_tutorial-*.whl 2.13.0 2.14.1
+
+# Strict nbval on every chapter, in a fresh venv with the package installed from that wheel and
+# the notebooks copied outside the repository: how a Colab reader meets them.
+nbval: wheel
+	WHEEL="$$(ls $(WHEELHOUSE)/tridiag_tutorial-*.whl)" .ci/nbval_from_wheel.sh
 
 book: $(STAMP)
 	$(PY) .ci/check_notebooks.py notebooks
 	rm -rf _build/html
 	$(VENV)/bin/jupyter-book build . -W -n --keep-going
 
-# The browser for the book check (`unit` and `book-check` need it): a Chrome/Chromium on PATH or
-# in $CHROMIUM, else Debian's chromium installed with apt-get (as root). The tests never install
-# it: without a browser the browser tests of tests/test_book_html.py are skipped with the reason,
-# and in CI (CI=true) both this step and those tests fail.
+# Set-up step, run once per machine before `make unit`/`make test`/`make book-check` (.ci/run
+# runs it before `make test`; no test target depends on it): the browser for the book check, a
+# Chrome/Chromium on PATH or in $CHROMIUM, else Debian's chromium installed with apt-get (as
+# root). The only step that installs a system package. Without a browser the browser tests of
+# tests/test_book_html.py are skipped with the reason; in CI (CI=true) this step and they fail.
 browser-setup: $(STAMP)
 	$(PY) tests/browser_check.py --install
 
 # The built book in headless Chromium: maths typeset, images loaded, no console errors;
-# screenshot in _build/screenshot-chapter.png.
-book-check: book browser-setup
+# screenshot in _build/screenshot-chapter.png. Needs the browser of `make browser-setup`.
+book-check: book
 	$(PY) tests/browser_check.py _build/html
 
 # The dependency floors of pyproject.toml, tested: a fresh venv with exactly the oldest versions

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Run every chapter notebook the way a Colab reader meets it, under strict nbval:
-#   - the package comes from a wheel built from this checkout, installed into a fresh virtual
-#     environment that holds only the package and what it and the notebooks need (pinned; JAX for
+#   - the package comes from a wheel built from this checkout (or $WHEEL), installed into a fresh
+#     virtual environment that holds only the package and what it and the notebooks need (pinned; JAX for
 #     chapter 3's side-by-side cells, which the package itself never imports);
 #   - the notebooks run from a copy outside the repository, so no repository file is on sys.path.
 # Extra arguments go to pytest (e.g. a notebook name: .ci/nbval_from_wheel.sh 03_adjoint.ipynb).
@@ -11,7 +11,11 @@ builder=${BUILD_PYTHON:-$repo/.venv/bin/python}
 work=$(mktemp -d "${TMPDIR:-/tmp}/tridiag-nbval.XXXXXX")
 trap 'rm -rf "$work"' EXIT
 
-"$builder" -m pip wheel --quiet --no-deps --no-build-isolation --wheel-dir "$work/dist" "$repo"
+if [ -n "${WHEEL:-}" ]; then  # a wheel already built (make test: the one .ci/build_wheel.sh made)
+    mkdir -p "$work/dist" && cp "$WHEEL" "$work/dist/"
+else
+    "$builder" -m pip wheel --quiet --no-deps --no-build-isolation --wheel-dir "$work/dist" "$repo"
+fi
 python3 -m venv "$work/venv"
 py="$work/venv/bin/python"
 "$py" -m pip install --quiet --constraint "$repo/requirements-pinned.txt" \

@@ -93,6 +93,8 @@ def require_cpp():
 
     if compiled.is_available():
         return
+    if compiled.DISABLED:  # switched off on purpose (TRIDIAG_TUTORIAL_NO_CPP=1)
+        pytest.skip(f"the C++ kernel is {compiled.BUILD_ERROR}")
     in_ci = os.environ.get("CI", "").lower() == "true"
     has_compiler = shutil.which(os.environ.get("CXX", "c++")) is not None
     if in_ci or has_compiler:
@@ -107,15 +109,18 @@ KERNELS = list(kernels.DRIVERS)
 
 # ----------------------------------------------------------------------------------------------
 # The `slow` marker (registered in pyproject.toml). `make check` runs `-m "not book and not slow"`
-# (about 40 s on a 2-core machine), `make unit` runs everything. The marks are set here by name,
-# so that the test files need none (a test may still carry @pytest.mark.slow itself). Seconds:
-# `pytest --durations` on the 2-core development machine, which was busy: rough figures.
+# (under a minute on a 2-core machine: see the Makefile), `make unit` runs everything. The marks
+# are set here by name, so that the test files need none (a test may still carry
+# @pytest.mark.slow itself). Seconds: `pytest --durations` on the 2-core development machine,
+# which was busy: rough figures (two figures: a quiet and a busy run).
 # A whole module is slow only when it has no fast test: every other module keeps its fast ones.
 SLOW_MODULES = {
     "test_fuzz",  # subprocess fuzz of every entry point on every driver (20 s, the whole module)
+    "test_chapters_without_cpp",  # runs seven chapters with nbclient, each in a fresh kernel
 }
 # "module::function": every parametrization of that test function; "module::function[prefix":
-# those whose parameter ids start with the prefix.
+# those whose parameter ids start with the prefix, where `*` stands for any characters (so
+# "[*-10007-" picks the cases of n = 10007 whatever the parameters before it).
 SLOW_TESTS = {
     # builds/compiles: torch.compile (Dynamo, AOTAutograd, Inductor) on many graphs
     "test_kernel_matrix::test_composition_compiled",  # 96 compiled compositions x kernels (32 s)
@@ -133,6 +138,8 @@ SLOW_TESTS = {
     "test_partitioned::test_compiled_on_the_partitioned_kernel",  # (3 s)
     "test_compile::test_chapter4_function_breaks_the_graph",  # (1.5 s)
     "test_compile::test_backward_compiles_fullgraph_with_compiled_autograd",  # (1 s)
+    "test_compile::test_compiled_fullgraph_gradients_equal_eager[2]",  # k = None stays (1-2 s)
+    "test_compositions::test_backward_runs_on_the_forwards_kernel[compiled-",  # eager stays (1-2 s)
     "test_compiled::test_compile_fullgraph_on_the_kernel",  # (3 s)
     # subprocesses: each fresh interpreter imports torch (2 to 4 s)
     "test_install::test_import_loads_no_dynamo_and_builds_nothing",  # fresh interpreters (20 s)
@@ -143,6 +150,7 @@ SLOW_TESTS = {
     "test_install::test_without_extension_python_defines_the_schemas",  # the same fixture
     "test_install::test_without_extension_compile_and_gradcheck",  # the same fixture
     "test_install::test_cpp_library_works_without_the_python_package",  # a child process (4 s)
+    "test_speculative::test_sixteen_byte_lanes_match_lapack_too",  # a child pytest run (14-30 s)
     # gloo process groups: 2 and 4 spawned ranks, each a fresh interpreter importing torch
     "test_sharding::test_dtensor_solve_and_factorization",  # one job per world size (10-20 s)
     "test_sharding::test_in_a_fresh_process_the_ops_fail_until_the_rules_are_registered",
@@ -172,11 +180,35 @@ SLOW_TESTS = {
     # opcheck's full battery on every registered op (test_grad::test_opcheck stays)
     "test_grad::test_opcheck_kernel_ops",  # 24 ops x dtypes (4 s)
     "test_kernel_matrix::test_opcheck",  # on every kernel (2 s)
+    "test_compiled::test_opcheck[torch.complex128]",  # float64 stays (0.4-0.9 s)
+    "test_compiled::test_gradcheck_forward_ad_and_second_order_on_the_kernel[torch.complex128]",
+    # ^ float64 stays (1-2 s)
+    # the factored solve and its gradients on every kernel and size (up to n = 1030) against a
+    # dense inverse, each transpose, gradcheck where n <= 8: 45 cases (7-8 s); test_factorization
+    # keeps each transpose on both factorizations and the gradients, test_kernels LAPACK's factors
+    "test_kernel_matrix::test_factorization",
+    # the C++ kernel against the dense reference and ?gtsv with k = 3 columns on a batch (40
+    # cases, 2-3 s: the reference solves are the cost); k = 3 on one system and one column on
+    # the batches stay, in every dtype and size
+    "test_compiled::test_matches_dense_and_lapack[3-(3, 4)-",
+    "test_compiled::test_matches_dense_and_lapack[3-(5,)-",
+    "test_compiled::test_backward_on_the_kernel_matches_dense[*-(2, 3)-4-17-",  # the largest (2 s)
     # accuracy families: many matrix constructions x sizes x dtypes against LAPACK
     "test_partitioned::test_singular_matrix_without_an_exact_zero_pivot_raises",  # 24 cases (15 s)
     "test_partitioned_accuracy::test_singular_constructions_raise_where_lapack_does",  # (4 s)
     "test_partitioned_accuracy::test_nearly_singular_blocks_within_ten_times_lapack",  # (1 s)
     "test_partitioned_accuracy::test_quick_run",  # runs the accuracy benchmark (1.5 s)
+    "test_partitioned_accuracy::test_merge_keeps_the_other_kernels",  # the benchmark twice (2-5 s)
+    "test_partitioned_accuracy::test_forward_error_within_ten_times_lapack[*-3001-",  # (1 s)
+    "test_partitioned_accuracy::test_singular_matrix_with_a_nan_column_raises[float32]",  # (1 s)
+    # the speculative kernel bit for bit against ?gtsv at n = 10007 and 100003 (5 s); the sizes
+    # around SPECULATIVE_MIN_N and 4099 stay in every family, dtype and column count (and its
+    # sixteen-byte lanes, in a child process, are with the subprocesses above)
+    "test_speculative::test_matches_lapack_bit_for_bit[*-10007-",
+    "test_speculative::test_matches_lapack_bit_for_bit[dominant-100003-",
+    "test_speculative::test_slowly_forgetting_matrices_match_lapack[*-100003-",  # (2 s)
+    "test_speculative::test_singular_raises_at_lapack_pivot[*-10007-",  # n = 4099 stays (2.5 s)
+    "test_partitioned::test_zero_diagonal_needs_pivoting_at_every_step[1002-",  # 500 stays (2-3 s)
     # n = 1000 against a dense 1000 x 1000 solve, 12 cases (8 s); n = 23 to 100 stay
     "test_partitioned::test_matches_dense[one-1000-",
     "test_partitioned::test_matches_dense[batch-1000-",
@@ -191,10 +223,17 @@ SLOW_TESTS = {
     "test_benchmarks::test_against_jax_pins_each_thread_count_to_as_many_cores",  # subprocesses
     "test_benchmarks::test_quick_jax_experiment_has_compiled_rows_next_to_eager",  # jax.jit (9 s)
     "test_benchmarks::test_quick_cliffs_experiment",  # runs the cliffs experiment (3 s)
+    "test_benchmarks::test_quick_one_system_experiment",  # times one large system (6-11 s)
+    "test_benchmarks::test_quick_compiled_kernel_experiment",  # times the C++ kernel (2-4 s)
+    "test_benchmarks::test_jax_cpu_calls_name_the_lapack_routine",  # imports and jits JAX (1-3 s)
     "test_benchmarks::test_jax_rows_compute_what_ours_compute",  # imports and jits JAX (2 s)
     # each runs the quick suite to merge its rows into a file (1.5 s each)
     "test_benchmarks::test_merge_without_steps_keeps_the_time_stepping_rows_and_their_machine",
     "test_benchmarks::test_merge_replaces_the_rows_of_cases_measured_again_and_drops_retired_names",
+    "test_benchmarks::test_merge_keeps_keys_the_suite_no_longer_produces",  # (2-3 s)
+    "test_benchmarks::test_full_run_with_merge_replaces_the_time_stepping_rows_it_measures_again",
+    # a child process interrupted with SIGINT while it runs the suite (9 s)
+    "test_benchmarks::test_sigint_keeps_the_rows_and_exits_130_without_a_traceback",
 }
 
 
@@ -202,15 +241,17 @@ SLOW_TESTS = {
 def pytest_collection_modifyitems(config, items):
     """Mark the tests of SLOW_MODULES and SLOW_TESTS ``slow``; warn about a name in SLOW_TESTS
     that its module no longer defines (a renamed test would silently join `make check`)."""
+    import re
     import warnings
 
-    prefixes = [name for name in SLOW_TESTS if "[" in name]
+    prefixes = [re.compile(".*".join(map(re.escape, name.split("*"))))
+                for name in SLOW_TESTS if "[" in name]
     seen = {}
     for item in items:
         module = item.path.stem
         function = getattr(item, "originalname", None) or item.name.split("[")[0]
         if (module in SLOW_MODULES or f"{module}::{function}" in SLOW_TESTS
-                or any(f"{module}::{item.name}".startswith(name) for name in prefixes)):
+                or any(prefix.match(f"{module}::{item.name}") for prefix in prefixes)):
             item.add_marker(pytest.mark.slow)
         if getattr(item, "module", None) is not None:
             seen[module] = item.module

@@ -228,8 +228,9 @@ def test_missing_browser_skips_outside_ci_and_fails_in_ci(monkeypatch, tmp_path,
     assert "make browser-setup" in str(info.value)
 
 
-def test_pages_render_in_a_browser(build, chromium):
-    """MathJax typeset everything, images load, no console errors, nothing external but badges."""
+def test_pages_render_in_a_browser(chromium, build):
+    """MathJax typeset everything, images load, no console errors, nothing external but badges.
+    (``chromium`` first: without a browser the test is skipped before the book is built.)"""
     html_dir, _, _ = build
     reports = browser_check.check_pages(html_dir, PAGES, chromium=chromium,
                                         screenshot=(CHAPTERS[0], SCREENSHOT))
