@@ -187,12 +187,16 @@ def _extension():
     found, where = _find_torch()
     if not found:
         building_sdist = "sdist" in sys.argv
-        if _pip_is_building() and not building_sdist:
+        # pip's opt-in venv isolation builds in a venv of its own ("pip-build-env-..."), from which
+        # the target environment cannot be seen: there, no torch here says nothing about it
+        own_venv = "pip-build-env-" in sys.prefix
+        if _pip_is_building() and not building_sdist and not own_venv:
             # pip would now download torch to satisfy the dependency: several GB of CUDA build
             sys.exit(NO_TORCH)
-        why = (f"no torch in {where}, where the package was built (the isolated environment "
-               "that python -m build or uv build in holds only setuptools): install torch first, "
-               "then build with pip, or with pip install --no-build-isolation")
+        why = (f"no torch in {where}, where the package was built (an isolated environment "
+               "of its own, as python -m build, uv or pip's venv isolation make, holds only "
+               "setuptools): install torch first, then build with pip, or with pip install "
+               "--no-build-isolation")
         if not building_sdist:
             _say(NOTICE.format(why=why))
         _RecordingBuildPy.no_extension_because, _RecordingBuildPy.cause = why, "no_torch"

@@ -134,6 +134,17 @@ def test_the_ordinary_command_builds_the_kernel_and_a_failed_build_says_how_to_r
     assert report["warnings"] == []
     assert _torch_state(py) == torch_before
 
+    # 4. pip 26.3, building in a venv of its own (its opt-in venv isolation, which hides
+    # the target environment): the install goes through, and the warning's command builds here
+    _run([str(py), "-m", "pip", "install", "--quiet", "pip==26.3"])
+    _run([str(py), "-m", "pip", "install", "--quiet", "--force-reinstall", "--no-deps",
+          "--use-feature", "venv-isolation", str(source)])
+    report = _probe(py)
+    assert report["cpp"] is False and report["error"].startswith("no torch in the build environment")
+    message = report["warnings"][0][1]
+    assert "'setuptools>=77' && " in message and " --no-build-isolation " in message
+    assert _torch_state(py) == torch_before
+
 
 def test_without_torch_the_install_stops_before_downloading_one(source, tmp_path):
     py = _venv(tmp_path / "venv")
