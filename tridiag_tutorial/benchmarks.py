@@ -55,12 +55,12 @@ the measurements of an earlier op that could keep LAPACK's factors for its backw
 so are its result rows of cases this run does not measure.
 
 The command line writes each row to ``--out`` as soon as it is measured (atomically: a temporary
-file, then ``os.replace``), with the key ``unfinished_run`` (:data:`UNFINISHED`) until the run ends.
+file, then ``os.replace``), with the key ``unfinished_run`` (``UNFINISHED``) until the run ends.
 An interrupt (Ctrl-C) keeps what was measured, says so and exits with status 130; run again with
 ``--merge`` of that file to continue: the rows that the unfinished run measured with the same
-settings on the same machine are kept and not measured again (:class:`_Suite`; "the same row":
-:data:`UNIT_FIELDS`). On a terminal a status line on standard error shows the progress and an
-estimate of the time left (:class:`Progress`); elsewhere a plain line now and then. ``--help``
+settings on the same machine are kept and not measured again (``_Suite``; "the same row":
+``UNIT_FIELDS``). On a terminal a status line on standard error shows the progress and an
+estimate of the time left (``Progress``); elsewhere a plain line now and then. ``--help``
 describes all of it in plain text.
 """
 
