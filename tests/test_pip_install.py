@@ -163,7 +163,7 @@ def test_a_front_end_without_torch_records_why(source, tmp_path):
     run one): the wheel holds no kernel and says why, and the repair builds here, in this
     environment, without isolation."""
     py = _venv(tmp_path / "venv", FLOOR)
-    src = shutil.copytree(source, tmp_path / "src")
+    src = shutil.copytree(source, tmp_path / "src", ignore=shutil.ignore_patterns("build"))
     _run([str(py), "setup.py", "-q", "bdist_wheel", "-d", str(tmp_path / "dist")], cwd=src)
     (wheel,) = (tmp_path / "dist").glob("*.whl")
     with zipfile.ZipFile(wheel) as z:
@@ -181,7 +181,7 @@ def test_a_compile_error_is_named_and_objects_are_not_reused(source, tmp_path):
     major, minor = (int(v) for v in (FLOOR.split(">=")[1] + ".0").split(".")[:2])
     # the floor's release series (77.0.0 was withdrawn: 77.0.x takes the newest of it)
     py = _venv(tmp_path / "venv", TORCH, f"{FLOOR},<{major}.{minor + 1}")
-    src = Path(shutil.copytree(source, tmp_path / "src"))
+    src = Path(shutil.copytree(source, tmp_path / "src", ignore=shutil.ignore_patterns("build")))
     dist = tmp_path / "dist"
 
     def wheel(env=None) -> dict:
