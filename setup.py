@@ -216,32 +216,41 @@ def _extension():
             self.build_temp = os.path.join(self.build_temp, f"tridiag-{key}")
             self.force = True  # link again: never keep a library from an earlier build
 
+        def _places(self) -> list[str]:
+            """Where the library goes: the build's output, and for an editable install the
+            source tree, where the package is imported from."""
+            target = self.get_ext_fullpath(NAME)
+            places = [target]
+            if getattr(self, "editable_mode", False):
+                places.append(os.path.join("tridiag_tutorial", os.path.basename(target)))
+            return places
+
+        def _record(self, err: Exception | None) -> None:
+            why, cause = _diagnose(ext, err) if err is not None else (None, None)
+            if err is not None:
+                _say(NOTICE.format(why=why))
+            for place in self._places():
+                if err is not None and os.path.exists(place):
+                    os.remove(place)  # a failed build must not leave the last one importable
+                _write_info(os.path.dirname(place) or ".", why, cause, torch=torch.__version__,
+                            torch_from=where, key=key)
+
         def run(self):
             try:
                 super().run()
             except Exception as err:  # e.g. the compiler check before any extension is built
-                why, cause = _diagnose(ext, err)
-                _say(NOTICE.format(why=why))
-                target = self.get_ext_fullpath(NAME)
-                _write_info(os.path.dirname(target), why, cause, torch=torch.__version__, key=key)
-                if os.path.exists(target):
-                    os.remove(target)
+                self._record(err)
 
         def build_extension(self, ext):
-            target = self.get_ext_fullpath(ext.name)
-            if os.path.exists(target):
-                os.remove(target)  # a failed build must not ship the last one
-            info = {"torch": torch.__version__, "torch_from": where, "key": key}
+            for place in self._places():
+                if os.path.exists(place):
+                    os.remove(place)
             try:
                 super().build_extension(ext)
             except Exception as err:
-                why, cause = _diagnose(ext, err)
-                _say(NOTICE.format(why=why))
-                _write_info(os.path.dirname(target), why, cause, **info)
-                if os.path.exists(target):
-                    os.remove(target)
+                self._record(err)
             else:
-                _write_info(os.path.dirname(target), None, **info)
+                self._record(None)
 
     # py_limited_api=True: torch's BuildExtension then adds -DPy_LIMITED_API itself (CPython 3.10's
     # limited API on torch 2.13), so the module is an abi3 one; the wheel is tagged for the

@@ -142,7 +142,11 @@ def missing_advice() -> str:
                 "it), or use driver='lapack'")
     first = ("install a C++ compiler (for example g++), then run "
              if _REPORT.get("cause") == "no_compiler" else "run ")
-    return (f"it was not built when the package was installed ({BUILD_ERROR}). To build it, "
+    built = _REPORT.get("built")
+    state = ("it was not built when the package was installed" if built is False
+             else "it was built when the package was installed but cannot be loaded" if built
+             else "it was not built, or cannot be loaded")
+    return (f"{state} ({BUILD_ERROR or 'no cause recorded'}). To build it, "
             f"{first}{repair_command()} ; or use driver='lapack'")
 
 
