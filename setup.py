@@ -56,8 +56,10 @@ NO_TORCH = ("tridiag-tutorial needs PyTorch installed before it is installed, an
             "has none. Install torch first, then this package again:\n"
             "  CPU only:  pip install torch --index-url https://download.pytorch.org/whl/cpu\n"
             "  with CUDA: pip install torch   (or the command from https://pytorch.org)\n"
-            "(A plain torch requirement would download a CUDA build of several GB. To install "
-            "without the C++ kernel and without this check, set TRIDIAG_TUTORIAL_NO_EXTENSION=1.)")
+            "(A plain torch requirement would download a CUDA build of several GB. Where torch is "
+            "installed where this check cannot see it, on PYTHONPATH or in a --target folder, "
+            "install with pip install --no-build-isolation. To install without the C++ kernel "
+            "and without this check, set TRIDIAG_TUTORIAL_NO_EXTENSION=1.)")
 
 
 def _say(message: str) -> None:
@@ -85,7 +87,12 @@ def _target_site_packages() -> list[str]:
     on_path = {os.path.normcase(os.path.abspath(p)) for p in sys.path}
     hidden = [d for d in dirs if os.path.isdir(d)
               and os.path.normcase(os.path.abspath(d)) not in on_path]
-    return hidden if len(hidden) == len([d for d in dirs if os.path.isdir(d)]) else []
+    if not hidden or len(hidden) != len([d for d in dirs if os.path.isdir(d)]):
+        return []
+    user = site.getusersitepackages() if sys.prefix == sys.base_prefix else None
+    if user and os.path.isdir(user) and os.path.normcase(os.path.abspath(user)) not in on_path:
+        hidden.append(user)  # pip install --user (pip's build sets PYTHONNOUSERSITE)
+    return hidden
 
 
 def _find_torch() -> tuple[bool, str]:
@@ -96,7 +103,9 @@ def _find_torch() -> tuple[bool, str]:
     hidden = _target_site_packages()
     for folder in hidden:
         if importlib.machinery.PathFinder.find_spec("torch", [folder]) is not None:
-            sys.path.append(folder)  # after the build environment's own packages
+            # all of them, after the build environment's own packages: torch's dependencies may
+            # lie in another one (Debian's dist-packages); no .pth file of theirs is run
+            sys.path.extend(hidden)
             return True, f"the target environment's torch ({folder})"
     return False, ("pip's isolated build" if hidden else "the build environment")
 
@@ -127,8 +136,13 @@ class _RecordingBuildPy(build_py):
     def run(self):
         super().run()
         if self.no_extension_because is not None:
-            folder = ("tridiag_tutorial" if getattr(self, "editable_mode", False)
-                      else os.path.join(self.build_lib, "tridiag_tutorial"))
+            editable = getattr(self, "editable_mode", False)
+            folder = "tridiag_tutorial" if editable else os.path.join(self.build_lib,
+                                                                      "tridiag_tutorial")
+            if editable:  # a library of an earlier build in the source tree would still load
+                for name in os.listdir(folder):
+                    if name.startswith("_C.") and name.endswith((".so", ".pyd")):
+                        os.remove(os.path.join(folder, name))
             _write_info(folder, self.no_extension_because, self.cause)
 
 
@@ -202,8 +216,14 @@ def _extension():
         _RecordingBuildPy.no_extension_because, _RecordingBuildPy.cause = why, "no_torch"
         return [], {"build_py": _RecordingBuildPy}, {}
 
-    import torch
-    from torch.utils.cpp_extension import BuildExtension, CppExtension
+    try:
+        import torch
+        from torch.utils.cpp_extension import BuildExtension, CppExtension
+    except Exception as err:  # a torch that cannot be imported here: install without the kernel
+        why = f"torch could not be imported for the build ({type(err).__name__}: {_first_line(err)})"
+        _say(NOTICE.format(why=why))
+        _RecordingBuildPy.no_extension_because, _RecordingBuildPy.cause = why, "other"
+        return [], {"build_py": _RecordingBuildPy}, {}
 
     key = _build_key(torch.__version__, os.path.dirname(torch.__file__))
 
@@ -225,7 +245,10 @@ def _extension():
                 places.append(os.path.join("tridiag_tutorial", os.path.basename(target)))
             return places
 
+        recorded = False
+
         def _record(self, err: Exception | None) -> None:
+            self.recorded = True
             why, cause = _diagnose(ext, err) if err is not None else (None, None)
             if err is not None:
                 _say(NOTICE.format(why=why))
@@ -239,7 +262,8 @@ def _extension():
             try:
                 super().run()
             except Exception as err:  # e.g. the compiler check before any extension is built
-                self._record(err)
+                if not self.recorded:  # (an editable install's copy of a library that failed)
+                    self._record(err)
 
         def build_extension(self, ext):
             for place in self._places():

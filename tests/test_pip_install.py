@@ -124,8 +124,8 @@ def test_the_ordinary_command_builds_the_kernel_and_a_failed_build_says_how_to_r
     assert [category for category, _ in report["warnings"]] == ["UserWarning"]
     message = report["warnings"][0][1]
     assert report["error"] in message and "install a C++ compiler" in message
-    command = re.search(r"then run (.+?) ; or use driver='lapack'", message).group(1)
-    assert "--no-deps" in command and str(source) in command
+    command = re.search(r"then run (.+?) , then restart Python", message).group(1)
+    assert "--no-deps" in command and "--no-cache-dir" in command and str(source) in command
 
     # 3. the command, as printed: the kernel is there, torch is as it was
     _run(command, shell=True)
@@ -142,7 +142,11 @@ def test_the_ordinary_command_builds_the_kernel_and_a_failed_build_says_how_to_r
     report = _probe(py)
     assert report["cpp"] is False and report["error"].startswith("no torch in the build environment")
     message = report["warnings"][0][1]
-    assert "'setuptools>=77' && " in message and " --no-build-isolation " in message
+    command = re.search(r"To build it, run (.+?) , then restart Python", message).group(1)
+    assert "'setuptools>=77' && " in command and " --no-build-isolation " in command
+    _run(command, shell=True)  # builds here, in this environment
+    report = _probe(py)
+    assert report["cpp"] is True, report["error"]
     assert _torch_state(py) == torch_before
 
 

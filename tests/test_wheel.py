@@ -95,3 +95,41 @@ def test_the_extension_uses_only_the_stable_abi():
     assert torch_cpp == [], torch_cpp[:10]
     shim = [s for s in symbols if s.startswith(("aoti_torch_", "torch_"))]
     assert shim, "the library calls no stable-ABI function: is it the extension?"
+
+
+@pytest.mark.slow
+def test_a_deliberate_lapack_only_install_does_not_warn(tmp_path):
+    """TRIDIAG_TUTORIAL_NO_EXTENSION=1 at install: no kernel, on purpose, so no warning at the
+    first solve, and driver="cpp" says it was switched off instead of how to build it."""
+    src = _source_copy(tmp_path / "src")
+    build = subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation",
+         "--wheel-dir", str(tmp_path / "dist"), str(src)],
+        env={**os.environ, "TRIDIAG_TUTORIAL_NO_EXTENSION": "1"}, capture_output=True, text=True,
+        timeout=300)
+    assert build.returncode == 0, build.stdout[-2000:] + build.stderr[-2000:]
+    (wheel,) = (tmp_path / "dist").glob("*.whl")
+    with zipfile.ZipFile(wheel) as z:
+        z.extractall(tmp_path / "site")
+    script = """
+import warnings, torch, tridiag_tutorial as t
+assert "site" in t.__file__ and not t.cpp_available()
+l, d = torch.ones(4, dtype=torch.float64), torch.full((5,), 3.0, dtype=torch.float64)
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    t.tridiagonal_solve(l, d, l, torch.ones(5, dtype=torch.float64))
+try:
+    t.tridiagonal_solve(l, d, l, torch.ones(5, dtype=torch.float64), driver="cpp")
+except RuntimeError as e:
+    message = str(e)
+print(f"{len(caught)}|{message}")
+"""
+    path = os.pathsep.join([str(tmp_path / "site"), sysconfig.get_paths()["purelib"],
+                            sysconfig.get_paths()["platlib"]])
+    run = subprocess.run([sys.executable, "-S", "-c", script], cwd=tmp_path, capture_output=True,
+                         text=True, timeout=120, env={**os.environ, "PYTHONPATH": path})
+    assert run.returncode == 0, run.stderr[-3000:]
+    count, message = run.stdout.strip().splitlines()[-1].split("|", 1)
+    assert count == "0"
+    assert "switched off (TRIDIAG_TUTORIAL_NO_EXTENSION=1 was set at install" in message
+    assert "pip install" not in message

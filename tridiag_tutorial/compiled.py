@@ -87,6 +87,8 @@ else:
         # another platform), the import's own message
         BUILD_ERROR = (_REPORT.get("error") if _REPORT.get("built") is False
                        else f"{type(err).__name__}: {err}")
+        # installed without it on purpose (TRIDIAG_TUTORIAL_NO_EXTENSION=1): no advice to build it
+        DISABLED = _REPORT.get("cause") == "switched_off"
     else:
         BUILD_ERROR = None
 
@@ -94,10 +96,12 @@ else:
 def _installed_from() -> tuple[str, bool]:
     """``(source, editable)``: what pip installed the package from (PEP 610's
     ``direct_url.json``): a folder, ``git+URL@commit``, or ``tridiag-tutorial==VERSION`` for an
-    install from an index (or where pip recorded nothing)."""
+    install from an index, from a wheel file (which holds no source to build) or where pip
+    recorded nothing."""
     import json
     from importlib import metadata
-    from urllib.parse import unquote, urlparse
+    from urllib.parse import urlparse
+    from urllib.request import url2pathname
 
     try:
         dist = metadata.distribution("tridiag-tutorial")
@@ -105,21 +109,22 @@ def _installed_from() -> tuple[str, bool]:
         version = dist.version
     except (metadata.PackageNotFoundError, ValueError):
         return "tridiag-tutorial", False
-    if not direct:
+    if not direct or direct.get("url", "").endswith(".whl"):
         return f"tridiag-tutorial=={version}", False
     url = direct.get("url", "")
     if "vcs_info" in direct:
         vcs = direct["vcs_info"]
         return f"{vcs.get('vcs', 'git')}+{url}@{vcs.get('commit_id', '')}".rstrip("@"), False
     if url.startswith("file://"):
-        return unquote(urlparse(url).path), bool(direct.get("dir_info", {}).get("editable"))
+        return url2pathname(urlparse(url).path), bool(direct.get("dir_info", {}).get("editable"))
     return url, False
 
 
 def repair_command() -> str:
     """The command that builds the C++ kernel into this environment: the package installed again
     from where it came from, with ``--no-deps`` so that torch and everything else stay as they
-    are (pip finds the installed torch and builds against it; see ``setup.py``)."""
+    are (pip finds the installed torch and builds against it; see ``setup.py``), and without
+    pip's cache of wheels it built, which may hold the one without the kernel."""
     import shlex
     import sys
 
@@ -131,15 +136,16 @@ def repair_command() -> str:
     if _REPORT.get("cause") == "no_torch":
         # a front end that builds in an environment of its own, without torch: build here instead
         return (f"{python} -m pip install 'setuptools>=77' && {python} -m pip install "
-                f"--force-reinstall --no-deps --no-build-isolation {target}")
-    return f"{python} -m pip install --force-reinstall --no-deps {target}"
+                f"--force-reinstall --no-deps --no-cache-dir --no-build-isolation {target}")
+    return f"{python} -m pip install --force-reinstall --no-deps --no-cache-dir {target}"
 
 
 def missing_advice() -> str:
     """Why the C++ kernel is missing and how to get it (or do without it)."""
     if DISABLED:
-        return (f"it was switched off with {DISABLE_ENV}=1 (unset it, in a new process, to use "
-                "it), or use driver='lapack'")
+        undo = ("unset it, in a new process" if os.environ.get(DISABLE_ENV) == "1"
+                else "install the package again without it")
+        return f"it was switched off ({BUILD_ERROR}; {undo}, to use it), or use driver='lapack'"
     first = ("install a C++ compiler (for example g++), then run "
              if _REPORT.get("cause") == "no_compiler" else "run ")
     built = _REPORT.get("built")
@@ -147,7 +153,7 @@ def missing_advice() -> str:
              else "it was built when the package was installed but cannot be loaded" if built
              else "it was not built, or cannot be loaded")
     return (f"{state} ({BUILD_ERROR or 'no cause recorded'}). To build it, "
-            f"{first}{repair_command()} ; or use driver='lapack'")
+            f"{first}{repair_command()} , then restart Python; or use driver='lapack'")
 
 
 def is_available() -> bool:

@@ -118,7 +118,8 @@ def resolve_driver(driver: str | None, rhs: torch.Tensor, name: str = "tridiagon
     if driver is None:  # math.prod, not numel(): numel() would specialize an exported batch size
         batch = math.prod(rhs.shape[:-2])
         chosen = choose_driver(rhs.device.type, rhs.dtype, batch, rhs.shape[-2], _CPP)
-        if not _CPP and not _warned and not compiled.DISABLED and not torch.compiler.is_compiling():
+        # is_compiling() first: a graph that Dynamo traces reads no flag, and guards on none
+        if not _CPP and not torch.compiler.is_compiling() and not _warned and not compiled.DISABLED:
             if choose_driver(rhs.device.type, rhs.dtype, batch, rhs.shape[-2], True) == "cpp":
                 _warn_missing_cpp()
         return chosen
