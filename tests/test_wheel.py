@@ -30,24 +30,45 @@ def _source_copy(dest: Path) -> Path:
     return dest
 
 
-@pytest.mark.slow
-def test_without_a_compiler_the_wheel_installs_and_runs_on_lapack(tmp_path):
+def _wheel_without_kernel(tmp_path, env: dict) -> tuple[list[str], str]:
+    """Build the package's wheel from a clean copy with ``env`` added to the environment (no
+    build isolation), check that it holds no library, and extract it into ``tmp_path/site``:
+    ``(its file names, the build's output)``."""
     src = _source_copy(tmp_path / "src")
-    env = {**os.environ, "CC": "false", "CXX": "false", "LDSHARED": "false"}
     build = subprocess.run(
         [sys.executable, "-m", "pip", "wheel", "-v", "--no-deps", "--no-build-isolation",
          "--wheel-dir", str(tmp_path / "dist"), str(src)],
-        env=env, capture_output=True, text=True, timeout=300)
+        env={**os.environ, **env}, capture_output=True, text=True, timeout=300)
     assert build.returncode == 0, build.stdout[-2000:] + build.stderr[-2000:]
-    notices = [line.strip() for line in (build.stdout + build.stderr).splitlines()
-               if "tridiag_tutorial: the C++ kernel was not built" in line]
-    assert notices, "no line at install says that the C++ kernel was not built"
-    assert "LAPACK" in notices[0]
     (wheel,) = (tmp_path / "dist").glob("*.whl")
     with zipfile.ZipFile(wheel) as z:
         names = z.namelist()
         assert not [n for n in names if n.endswith((".so", ".pyd"))], names
         z.extractall(tmp_path / "site")
+    return names, build.stdout + build.stderr
+
+
+def _last_line_from_the_wheel(tmp_path, script: str) -> str:
+    """Run ``script`` with the package extracted into ``tmp_path/site``: its last printed line.
+    -S: no site processing, so the .pth hooks of an editable install of the repository (make
+    test's) cannot map the package back to the source tree; the environment's site-packages come
+    after the extracted wheel on the path."""
+    path = os.pathsep.join([str(tmp_path / "site"), sysconfig.get_paths()["purelib"],
+                            sysconfig.get_paths()["platlib"]])
+    run = subprocess.run([sys.executable, "-S", "-c", script], cwd=tmp_path, capture_output=True,
+                         text=True, timeout=120, env={**os.environ, "PYTHONPATH": path})
+    assert run.returncode == 0, run.stderr[-3000:]
+    return run.stdout.strip().splitlines()[-1]
+
+
+@pytest.mark.slow
+def test_without_a_compiler_the_wheel_installs_and_runs_on_lapack(tmp_path):
+    _, output = _wheel_without_kernel(tmp_path, {"CC": "false", "CXX": "false",
+                                                 "LDSHARED": "false"})
+    notices = [line.strip() for line in output.splitlines()
+               if "tridiag_tutorial: the C++ kernel was not built" in line]
+    assert notices, "no line at install says that the C++ kernel was not built"
+    assert "LAPACK" in notices[0]
     script = """
 import torch, tridiag_tutorial as t
 from tridiag_tutorial import compiled
@@ -64,15 +85,7 @@ except RuntimeError as e:
     message = str(e)
 print(f"{err:.0e}|{message}")
 """
-    # -S: no site processing, so the .pth hooks of an editable install of the repository (make
-    # test's) cannot map the package back to the source tree; the environment's site-packages
-    # come after the extracted wheel on the path.
-    path = os.pathsep.join([str(tmp_path / "site"), sysconfig.get_paths()["purelib"],
-                            sysconfig.get_paths()["platlib"]])
-    run = subprocess.run([sys.executable, "-S", "-c", script], cwd=tmp_path, capture_output=True,
-                         text=True, timeout=120, env={**os.environ, "PYTHONPATH": path})
-    assert run.returncode == 0, run.stderr[-3000:]
-    err, message = run.stdout.strip().splitlines()[-1].split("|", 1)
+    err, message = _last_line_from_the_wheel(tmp_path, script).split("|", 1)
     assert float(err) < 1e-12
     assert "not built when the package was installed" in message and "driver='lapack'" in message
 
@@ -101,16 +114,7 @@ def test_the_extension_uses_only_the_stable_abi():
 def test_a_deliberate_lapack_only_install_does_not_warn(tmp_path):
     """TRIDIAG_TUTORIAL_NO_EXTENSION=1 at install: no kernel, on purpose, so no warning at the
     first solve, and driver="cpp" says it was switched off instead of how to build it."""
-    src = _source_copy(tmp_path / "src")
-    build = subprocess.run(
-        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation",
-         "--wheel-dir", str(tmp_path / "dist"), str(src)],
-        env={**os.environ, "TRIDIAG_TUTORIAL_NO_EXTENSION": "1"}, capture_output=True, text=True,
-        timeout=300)
-    assert build.returncode == 0, build.stdout[-2000:] + build.stderr[-2000:]
-    (wheel,) = (tmp_path / "dist").glob("*.whl")
-    with zipfile.ZipFile(wheel) as z:
-        z.extractall(tmp_path / "site")
+    _wheel_without_kernel(tmp_path, {"TRIDIAG_TUTORIAL_NO_EXTENSION": "1"})
     script = """
 import warnings, torch, tridiag_tutorial as t
 assert "site" in t.__file__ and not t.cpp_available()
@@ -124,12 +128,7 @@ except RuntimeError as e:
     message = str(e)
 print(f"{len(caught)}|{message}")
 """
-    path = os.pathsep.join([str(tmp_path / "site"), sysconfig.get_paths()["purelib"],
-                            sysconfig.get_paths()["platlib"]])
-    run = subprocess.run([sys.executable, "-S", "-c", script], cwd=tmp_path, capture_output=True,
-                         text=True, timeout=120, env={**os.environ, "PYTHONPATH": path})
-    assert run.returncode == 0, run.stderr[-3000:]
-    count, message = run.stdout.strip().splitlines()[-1].split("|", 1)
+    count, message = _last_line_from_the_wheel(tmp_path, script).split("|", 1)
     assert count == "0"
     assert "switched off (TRIDIAG_TUTORIAL_NO_EXTENSION=1 was set at install" in message
     assert "pip install" not in message
