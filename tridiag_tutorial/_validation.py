@@ -199,7 +199,8 @@ def validate_factors(lu, pivots, diag, *, name: str) -> None:
     pivot values where a kernel is about to use them).
 
     Raises:
-        TypeError: ``lu`` or ``pivots`` is not a dense tensor; ``lu``'s dtype is not ``diag``'s (a
+        TypeError: ``lu`` or ``pivots`` is not a dense tensor; ``diag``'s dtype is not one of
+            ``SUPPORTED_DTYPES`` (the message names the bands); ``lu``'s dtype is not ``diag``'s (a
             float32 ``lu`` beside float64 bands, or a complex one beside real bands, would change
             the result's dtype); ``pivots`` is not int32.
         ValueError: they are not on ``diag``'s device (a meta tensor beside CPU tensors included);
@@ -207,6 +208,10 @@ def validate_factors(lu, pivots, diag, *, name: str) -> None:
     """
     _check_dense("lu", lu, name)
     _check_dense("pivots", pivots, name)
+    if diag.dtype not in SUPPORTED_DTYPES:  # the bands are at fault, not the factors
+        supported = ", ".join(str(d) for d in SUPPORTED_DTYPES)
+        raise TypeError(f"{name}: lower, diag and upper must be floating point or complex "
+                        f"({supported}), got {diag.dtype}")
     if lu.dtype != diag.dtype:
         raise TypeError(f"{name}: lu must have the bands' dtype {diag.dtype}, got {lu.dtype}; make "
                         "the factors with tridiagonal_lu_factor from these bands")

@@ -139,13 +139,17 @@ _PROBES = len(partitioned._PROBE_STEPS)
 
 # The validation's metadata, one int64 row per rank: the fields, the batch dimensions (at most
 # _MAX_BATCH_DIMS) and the first _MESSAGE_BYTES bytes of a local error's message, so that every
-# rank raises with the text of the rank whose inputs were wrong.
-_FIELDS = ("status", "rows", "columns", "vector", "dtype", "device", "grad", "batch_ndim")
+# rank raises with the text of the rank whose inputs were wrong. "method" (split or gather) and
+# "steps" (refinement_steps) decide which collectives follow, so the ranks must agree on them.
+_FIELDS = ("status", "rows", "columns", "vector", "dtype", "device", "grad", "batch_ndim",
+           "method", "steps")
 _MAX_BATCH_DIMS = 8
-_MESSAGE_BYTES = 240
+_MESSAGE_BYTES = 224
 _META_LEN = len(_FIELDS) + _MAX_BATCH_DIMS + _MESSAGE_BYTES // 8
 _ERRORS = (None, TypeError, ValueError, RuntimeError)  # status codes 1, 2, 3
 _DEVICE_TYPES = ("cpu", "cuda", "xpu", "mps", "hpu")
+_METHODS = ("spike", "gather")
+_FUNCTIONS = {"spike": "split_solve", "gather": "gather_solve"}
 _WIDE = {torch.float32: torch.float64, torch.float64: torch.float64,
          torch.complex64: torch.complex128, torch.complex128: torch.complex128}
 _REAL = {torch.float32: torch.float32, torch.float64: torch.float64,
@@ -362,11 +366,19 @@ def _decode(words) -> str:
     return data.rstrip(b"\0").decode("utf-8", errors="replace")
 
 
-def _validate(lower, diag, upper, rhs, group, name: str) -> _Prepared:
+def _check_steps(steps, name: str) -> None:
+    if not isinstance(steps, int) or isinstance(steps, bool) or not 0 <= steps < 2**62:
+        raise ValueError(f"{name}: refinement_steps must be an integer >= 0, got {steps!r}")
+
+
+def _validate(lower, diag, upper, rhs, group, name: str, steps: int = 0,
+              method: str = "spike") -> _Prepared:
     """Check the inputs on every rank, together: each rank checks its own, one ``all_gather``
-    tells every rank how the others went (and their shapes and dtypes), and every rank raises the
-    same kind of error if any rank's inputs are wrong or the ranks disagree. A check that raised on
-    one rank only would leave the others waiting in their next collective."""
+    tells every rank how the others went (and their shapes and dtypes, the function called and
+    its ``refinement_steps``), and every rank raises the same kind of error if any rank's inputs
+    are wrong or the ranks disagree. A check that raised on one rank only would leave the others
+    waiting in their next collective, and ranks that went on with different steps or functions
+    would make different collectives (gloo aborts the process on such a mismatch)."""
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError(f"{name}: torch.distributed is not initialized; call "
                            "torch.distributed.init_process_group first")
@@ -378,6 +390,7 @@ def _validate(lower, diag, upper, rhs, group, name: str) -> _Prepared:
     meta = [0] * _META_LEN
     error = None
     try:
+        _check_steps(steps, name)
         lower, diag, upper, rhs, vector = _local_check(lower, diag, upper, rhs, rank, world_size,
                                                        name)
         batch = diag.shape[:-1]
@@ -386,7 +399,7 @@ def _validate(lower, diag, upper, rhs, group, name: str) -> _Prepared:
                                SUPPORTED_DTYPES.index(diag.dtype),
                                _DEVICE_TYPES.index(diag.device.type)
                                if diag.device.type in _DEVICE_TYPES else len(_DEVICE_TYPES),
-                               int(grad), len(batch)]
+                               int(grad), len(batch), _METHODS.index(method), steps]
         meta[len(_FIELDS):len(_FIELDS) + len(batch)] = list(batch)
     except (TypeError, ValueError, RuntimeError) as e:
         error = e
@@ -410,6 +423,16 @@ def _validate(lower, diag, upper, rhs, group, name: str) -> _Prepared:
 
     def differ(field):
         return len(set(column(field))) > 1
+
+    if differ("method"):
+        listed = ", ".join(f"rank {r}: {_FUNCTIONS[_METHODS[c]]}"
+                           for r, c in enumerate(column("method")))
+        raise ValueError(f"{name}: every rank must call the same function (split_solve or "
+                         f"gather_solve): they make different collectives; got {listed}")
+    if differ("steps"):
+        listed = ", ".join(f"rank {r}: {c}" for r, c in enumerate(column("steps")))
+        raise ValueError(f"{name}: every rank must pass the same refinement_steps (each step is a "
+                         f"collective), got {listed}")
 
     if differ("dtype"):
         listed = ", ".join(f"rank {r}: {SUPPORTED_DTYPES[c]}" for r, c in enumerate(column("dtype")))
@@ -722,9 +745,7 @@ class _SplitSolve(torch.autograd.Function):
 
 
 def _run(lower, diag, upper, rhs, group, steps, method, name):
-    if not isinstance(steps, int) or isinstance(steps, bool) or steps < 0:
-        raise ValueError(f"{name}: refinement_steps must be an integer >= 0, got {steps!r}")
-    p = _validate(lower, diag, upper, rhs, group, name)
+    p = _validate(lower, diag, upper, rhs, group, name, steps, method)  # steps checked there too
     if p.empty:  # the same on every rank: nothing to solve, no collective more
         x = p.rhs.new_zeros(p.rhs.shape)
     else:
@@ -752,8 +773,10 @@ def split_solve(lower: torch.Tensor, diag: torch.Tensor, upper: torch.Tensor, rh
             the growth and singularity checks stay).
 
     The batch dimensions broadcast on each rank and must then agree across ranks, as must the
-    dtype (float32, float64, complex64, complex128), the kind of ``rhs`` and ``k``, the device type
-    and whether the inputs require grad. :func:`split_bands` makes the pieces from a whole system.
+    dtype (float32, float64, complex64, complex128), the kind of ``rhs`` and ``k``, the device type,
+    whether the inputs require grad and ``refinement_steps``; and every rank must call this
+    function (not :func:`gather_solve` on some). :func:`split_bands` makes the pieces from a
+    whole system.
 
     Returns:
         This rank's rows of ``x``, the shape of its (broadcast) ``rhs``.
@@ -762,7 +785,9 @@ def split_solve(lower: torch.Tensor, diag: torch.Tensor, upper: torch.Tensor, rh
 
     Raises:
         TypeError: an input is not a dense tensor, or dtypes differ or are unsupported.
-        ValueError: shapes, devices, the end couplings or the agreement across ranks are wrong.
+        ValueError: shapes, devices, the end couplings or the agreement across ranks are wrong
+            (the message names what differs and each rank's value), or ``refinement_steps`` is
+            not an integer >= 0.
         tridiag_tutorial.SingularMatrixError: ``A`` is singular (from LAPACK on the whole system,
             after the fallback; a :class:`torch.linalg.LinAlgError`).
         RuntimeError: ``torch.distributed`` is not initialized.

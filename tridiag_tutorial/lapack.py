@@ -16,8 +16,10 @@ What this module adds to the raw wrappers:
 - :func:`solve`, :func:`factor` and :func:`factor_solve` take any number of batch dimensions: a
   batch is joined into block-diagonal systems of at most :data:`_CHUNK_ROWS` rows (never more than
   LAPACK's 32-bit indices address), one LAPACK call each, with results bit for bit those of each
-  system alone; a chunk with a non-finite or overflowing system is settled by splitting it, so
-  one such system costs about one chunk more, not one call per system.
+  system alone (a system whose zeros the joined call could give another sign is solved again
+  alone; solves with ``A^T`` and ``A^H`` from factors give the same values, but a zero may differ
+  in sign); a chunk with a non-finite or overflowing system is settled by splitting it, so one
+  such system costs about one chunk more, not one call per system.
 
 Arrays follow the package's convention: ``lower[..., i] = A[i+1, i]``, ``diag[..., i] = A[i, i]``,
 ``upper[..., i] = A[i, i+1]``.
@@ -250,6 +252,52 @@ def _settle(solve_range, count: int, inputs_finite) -> np.ndarray:
     return out
 
 
+def _real_view(a: np.ndarray) -> np.ndarray:
+    """``a`` as real numbers (a complex array's parts side by side), a view where ``a`` is
+    contiguous."""
+    if not np.iscomplexobj(a):
+        return a
+    return a.view(a.real.dtype) if a.flags.c_contiguous else np.stack([a.real, a.imag], -1)
+
+
+def _negative_zeros(arrays, count: int) -> np.ndarray:
+    """``(count,)``: whether any value (or part of one) of each system of ``arrays`` (systems on
+    the leading axis) is ``-0.0``; an array without a zero costs one comparison."""
+    found = np.zeros(count, dtype=bool)
+    for a in arrays:
+        for part in ((a.real, a.imag) if np.iscomplexobj(a) else (a,)):
+            zero = part == 0
+            if np.count_nonzero(zero):  # (faster than .any() on small arrays)
+                found |= (zero & np.signbit(part)).reshape(count, -1).any(axis=1)
+    return found
+
+
+def _keep_zero_signs(x: np.ndarray, solve_range, inputs_with_negative_zero) -> np.ndarray:
+    """``x`` (``(count, n, k)``, joined results) with the systems whose zeros may have another
+    sign than alone solved again alone, so that every system's result is its own, sign of zero
+    included.
+
+    A joined call does a few more operations than the systems alone, at each block boundary: an
+    exact zero times the neighbouring block's value, subtracted. That changes no value, but turns
+    ``-0.0 - (-0.0)`` into ``+0.0`` where the system alone keeps ``-0.0``. In ``?gtsv`` and in
+    ``?gttrs`` with ``A`` the value subtracted from is ``-0.0`` only where a ``-0.0`` among the
+    system's inputs started it (a difference or sum is ``-0.0`` only where its first operand is),
+    and a changed zero ends only in entries of ``x`` that are zero. So the systems solved again
+    are those with an exact zero in ``x`` and a ``-0.0`` in their inputs
+    (``inputs_with_negative_zero()``, ``(count,)``, asked only where ``x`` has a zero): none in
+    most batches, and the check is one comparison of ``x``."""
+    count = x.shape[0]
+    if count < 2:
+        return x
+    zero = _real_view(x) == 0
+    if not np.count_nonzero(zero):
+        return x
+    redo = zero.reshape(count, -1).any(axis=1) & inputs_with_negative_zero()
+    for i in np.flatnonzero(redo).tolist():
+        x[i] = solve_range(i, i + 1)[0]
+    return x
+
+
 def _bisect(solve_range, out: np.ndarray, c: int, e: int, x=None) -> None:
     """Fill ``out[c:e]`` from joined solves, splitting a part whose result is not finite."""
     x = solve_range(c, e) if x is None else x
@@ -298,8 +346,10 @@ def solve(lower: np.ndarray, diag: np.ndarray, upper: np.ndarray, rhs: np.ndarra
                 raise _batch_error(err, n, batch, first=start + c) from None
             return x.reshape(e - c, n, k)
 
-        parts.append(_settle(solve_range, stop - start,
-                             lambda chunk=chunk: _finite_systems(chunk, len(chunk[1]))))
+        x = _settle(solve_range, stop - start,
+                    lambda chunk=chunk: _finite_systems(chunk, len(chunk[1])))
+        parts.append(_keep_zero_signs(x, solve_range,
+                                      lambda chunk=chunk: _negative_zeros(chunk, len(chunk[1]))))
     x = parts[0] if len(parts) == 1 else np.concatenate(parts)
     return x.reshape(rhs.shape)
 
@@ -349,6 +399,14 @@ def factor(lower: np.ndarray, diag: np.ndarray, upper: np.ndarray):
     flat = [a.reshape(size, a.shape[-1]) for a in (lower, diag, upper)]
     for start, stop in _chunk_bounds(size, n) if n else []:
         _factor_chunk([a[start:stop] for a in flat], lu[start:stop], pivots[start:stop], start, batch)
+    if size > 1 and n:
+        # At a block boundary a joined call computes d[i+1] - (0 / d[i]) * 0, which turns a -0.0
+        # first diagonal entry into +0.0 (and the signs of zeros that follow from it); a system
+        # alone keeps it. It is the only operation more: those systems are factored alone.
+        for i in (np.flatnonzero(_negative_zeros([flat[1][1:, :1]], size - 1)) + 1).tolist():
+            f, info, name = _gttrf_raw(*(a[i] for a in flat))
+            if info == 0:  # (a singular system raised above)
+                _store_factors(_unpadded(f), 1, n, lu[i:i + 1], pivots[i:i + 1])
     return lu.reshape(batch + (4, n)), pivots.reshape(batch + (n,))
 
 
@@ -414,7 +472,11 @@ def factor_solve(lu: np.ndarray, pivots: np.ndarray, rhs: np.ndarray, trans: str
 
     A batch is solved in joined calls of at most :data:`_CHUNK_ROWS` rows; the factors of a
     block-diagonal matrix are the blocks' factors (their padding is ignored: the couplings are set
-    to exact zeros), so this equals solving each system alone, bit for bit. A chunk whose result is
+    to exact zeros), so this equals solving each system alone, bit for bit with ``trans='N'``; with
+    ``'T'`` and ``'C'`` the same values, but a zero may have the other sign (the joined call
+    subtracts an exact zero where the system alone does not, so ``-0.0`` can come back ``+0.0``;
+    keeping the sign would mean solving again alone every system with a zero in its result, a
+    zero right-hand side included). A chunk whose result is
     not finite is settled as in :func:`solve` (:func:`_settle`). Returns a new C-contiguous array;
     the inputs are left unchanged. ``pivots`` must hold values that ``?gttrf`` can produce
     (:func:`tridiag_tutorial._validation.check_pivot_values`): ``?gttrs`` trusts them.
@@ -449,7 +511,11 @@ def factor_solve(lu: np.ndarray, pivots: np.ndarray, rhs: np.ndarray, trans: str
         def inputs_finite(blocks=blocks, start=start, stop=stop, count=count):
             return _finite_systems([blocks.transpose(1, 0, 2), flat_rhs[start:stop]], count)
 
-        parts.append(_settle(solve_range, count, inputs_finite))
+        def rhs_negative_zeros(start=start, stop=stop, count=count):  # the factors' do not count
+            return _negative_zeros([flat_rhs[start:stop]], count)
+
+        x = _settle(solve_range, count, inputs_finite)
+        parts.append(_keep_zero_signs(x, solve_range, rhs_negative_zeros) if trans == "N" else x)
     x = parts[0] if len(parts) == 1 else np.concatenate(parts)
     return x.reshape(rhs.shape)
 

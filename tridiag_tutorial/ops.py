@@ -605,7 +605,9 @@ def _solve_on_cpp(lower, diag, upper, rhs):
         return compiled.solve(lower, diag, upper, rhs), None
     except SingularMatrixError:
         raise
-    except RuntimeError:  # inputs the op refuses: the general path says what is wrong with them
+    except (RuntimeError, ValueError, TypeError):
+        # inputs the op refuses (a meta tensor among CPU ones reaches the op's fake kernel, which
+        # raises under the op's own name): the general path says what is wrong with them
         return None, None
 
 

@@ -105,12 +105,15 @@ def solve(lower: torch.Tensor, diag: torch.Tensor, upper: torch.Tensor, rhs: tor
 
     Raises:
         torch.linalg.LinAlgError: ``A`` is singular (raised by the sequential kernel that the
-            fallback runs; the message names the pivot and the batch element).
+            fallback runs; the message names the pivot and the batch element), also when ``rhs``
+            has no column (``k = 0``): the probes are solved all the same.
     """
     if block < 2:
         raise ValueError(f"partitioned.solve: block must be at least 2, got {block}")
-    if rhs.numel() == 0:  # no right-hand side, or no system: nothing to solve
+    if diag.numel() == 0:  # no system: nothing to solve
         return rhs.new_zeros(rhs.shape)
+    # k = 0 columns still runs: the probes (and the fallback) raise for a singular A, as the
+    # other kernels do
     k = rhs.shape[-1]
     row = _row_max(lower, diag, upper)  # (*B, n)
     probe = _probe(rhs) * torch.where(row > 0, row, torch.ones_like(row))[..., None]
@@ -246,7 +249,7 @@ def _growth(levels_: list) -> torch.Tensor:
     """``(*B,)``: the largest magnitude of any spike entry, over every level. The recovery
     ``y - v s_{j-1} - w s_j`` loses about ``eps`` times this, relative to ``max|x|``, in every
     solve, so above ``1 / eps`` refinement can stall at a wrong answer with small corrections."""
-    batch = levels_[0].lu.shape[:-3]
+    batch = levels_[-1].lu.shape[:-2]  # the last level's factors are (*B, 4, n)
     growth = torch.zeros(batch, dtype=levels_[0].lu.real.dtype, device=levels_[0].lu.device)
     for level in levels_[:-1]:
         below = level.lu.shape[:-3]  # the reduced systems keep the batch shape

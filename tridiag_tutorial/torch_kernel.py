@@ -50,6 +50,17 @@ def _divide(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return torch.complex(re, im)
 
 
+def _multiply(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``a * b``; for complex numbers written out as Fortran (and so LAPACK) evaluates it,
+    ``(ar br - ai bi) + i (ar bi + ai br)`` with every product and sum rounded on its own. Torch's
+    own complex product fuses a product into the sum on some paths (on the CPU, one that small
+    tensors take), which can leave a round-off pivot where LAPACK finds an exact zero."""
+    if not a.is_complex():
+        return a * b
+    ar, ai, br, bi = a.real, a.imag, b.real, b.imag
+    return torch.complex(ar * br - ai * bi, ar * bi + ai * br)
+
+
 def factor(lower: torch.Tensor, diag: torch.Tensor, upper: torch.Tensor):
     """LU with partial pivoting of a batch: bands ``(*batch, n-1)``, ``(*batch, n)``,
     ``(*batch, n-1)`` -> ``(lu, pivots)``, ``(*batch, 4, n)`` and ``(*batch, n)`` int32 (the layout
@@ -82,11 +93,11 @@ def factor_unchecked(lower: torch.Tensor, diag: torch.Tensor, upper: torch.Tenso
         # no swap: row i+1 -= fact * row i;  swap: rows exchange first, then the same update
         d[i] = pivot
         du[i] = torch.where(swap, next_d, c)
-        d[i + 1] = torch.where(swap, c - fact * next_d, next_d - fact * c)
+        d[i + 1] = torch.where(swap, c - _multiply(fact, next_d), next_d - _multiply(fact, c))
         if i < n - 2:
             far = du[i + 1]  # A[i+1, i+2]: moves to row i (du2) after a swap
             du2.append(torch.where(swap, far, zero))
-            du[i + 1] = torch.where(swap, -fact * far, far)
+            du[i + 1] = torch.where(swap, -_multiply(fact, far), far)
         multipliers.append(fact)
         swaps.append(swap)
     pad = [zero]
