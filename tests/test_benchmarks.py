@@ -57,7 +57,8 @@ def test_help_lists_every_experiment_switch(capsys):
         benchmarks.main(["--help"])
     assert exit_.value.code == 0
     text = capsys.readouterr().out
-    for switch in ONLY_SWITCHES + ["--quick", "--merge", "--no-compile", "--no-jax", "--no-cpp"]:
+    for switch in ONLY_SWITCHES + ["--quick", "--merge", "--no-compile", "--no-jax", "--no-cpp",
+                                   "--families", "--busy"]:
         assert switch in text
 
 
@@ -93,11 +94,17 @@ def test_quick_benchmark_ends_with_the_interleaved_comparison_with_jax(quick):
     rows = saved["against_jax"]
     assert saved["against_jax_machine"]["jax"] and saved["results"]  # merged, not replaced
     impls = {benchmarks.FINAL, benchmarks.FINAL_LAPACK, benchmarks.JAX_IMPL}  # --no-compile
-    cases = {(r["n"], r["batch"], r["dtype"], r["mode"]) for r in rows}
-    assert {(8, 16), (100, 0)} == {(n, batch) for n, batch, _, _ in cases}
-    for n, batch, dtype, mode in cases:
+    cases = {(r["n"], r["batch"], r["dtype"], r["mode"], r["family"], r["busy"]) for r in rows}
+    assert {(8, 16), (100, 0)} == {case[:2] for case in cases}
+    # --quick: the quick families for one system, the batch labelled dominant; quiet only;
+    # backward for the dominant family only
+    assert {case[4:] for case in cases} == {(f, False) for f in benchmarks.QUICK_FAMILIES}
+    assert {(case[1], case[4]) for case in cases if case[3] == "backward"} == {
+        (16, "dominant"), (0, "dominant")}
+    assert {case[4] for case in cases if case[1]} == {"dominant"}
+    for case in cases:
         same = {r["impl"]: r for r in rows
-                if (r["n"], r["batch"], r["dtype"], r["mode"]) == (n, batch, dtype, mode)}
+                if (r["n"], r["batch"], r["dtype"], r["mode"], r["family"], r["busy"]) == case}
         assert set(same) == impls
         assert same[benchmarks.JAX_IMPL]["ratio"] == 1.0
         for r in same.values():
@@ -348,15 +355,20 @@ def test_quick_compiled_kernel_experiment(tmp_path):
 
 def test_quick_one_system_experiment(tmp_path):
     """--one-system-only times one large system: raw ?gtsv, the memory floor, the final op, the
-    C++ kernel's speculative solve (where built) and JAX (where installed), forward and forward +
-    backward, each ratio against a baseline timed in the same alternation."""
+    C++ large-system kernel (where built) and JAX (where installed), forward and forward +
+    backward (the dominant family), each ratio against a baseline timed in the same alternation;
+    --quick: the quick families, quiet."""
     saved = run_merged_experiment(tmp_path, "--one-system-only")
     assert saved["one_system_machine"]
     rows = saved["one_system"]
     impls = {r["impl"] for r in rows}
     assert {benchmarks.RAW_GTSV, benchmarks.FLOOR, benchmarks.FINAL} <= impls
-    assert (benchmarks.SPECULATIVE in impls) == compiled.is_available()
+    assert (benchmarks.LARGE_KERNEL in impls) == compiled.is_available()
+    assert benchmarks.SPECULATIVE not in impls  # the label of older files only
     assert {r["mode"] for r in rows} == {"forward", "backward"}
+    assert {(r["family"], r["busy"]) for r in rows} == {
+        (f, False) for f in benchmarks.QUICK_FAMILIES}
+    assert {r["family"] for r in rows if r["mode"] == "backward"} == {"dominant"}
     for r in rows:
         assert r["seconds"] > 0 and r["floor_ns_per_unknown"] > 0
         assert r["ns_per_unknown"] == pytest.approx(r["seconds"] / r["n"] * 1e9)
@@ -367,17 +379,202 @@ def test_quick_one_system_experiment(tmp_path):
             assert r["impl"] not in (benchmarks.RAW_GTSV, benchmarks.FLOOR)
 
 
-def test_speculative_rows_compute_the_gradients_of_the_final_op():
-    """The speculative f+b row computes what the final op's backward computes: the gradients of
-    all four inputs for a cotangent of ones."""
+def test_large_kernel_rows_compute_the_gradients_of_the_final_op():
+    """The large-system kernel's f+b row computes what the final op's backward computes: the
+    gradients of all four inputs for a cotangent of ones."""
     require_cpp()
-    args = benchmarks._problem(1500, 0, torch.float64)
-    grads = benchmarks._speculative_callable(args, "backward")()
+    n = benchmarks._kernel_min_n() + 500
+    args = benchmarks._problem(n, 0, torch.float64)
+    grads = benchmarks._large_kernel_callable(args, "backward")()
     leaves = [a.clone().requires_grad_() for a in args]
     expected = torch.autograd.grad(tridiagonal_solve(*leaves), leaves,
-                                   torch.ones(1500, dtype=torch.float64))
+                                   torch.ones(n, dtype=torch.float64))
     for got, want in zip(grads, expected):
         torch.testing.assert_close(got.reshape(want.shape), want)
+
+
+# The one-system experiment's matrices (families) and its busy core
+
+def dense_of(lower, diag, upper):
+    return (np.diag(diag.numpy()) + np.diag(lower.numpy(), -1) + np.diag(upper.numpy(), 1))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_one_system_families_are_what_they_say(dtype):
+    from tridiag_tutorial import accuracy, partitioned
+
+    n = 64
+    made = {f: benchmarks.one_system_family(f, n, dtype) for f in benchmarks.FAMILIES}
+    assert tuple(made) == ("dominant", "pivoting", "poisson", "heat_r1", "heat_r1e2",
+                           "heat_r1e4", "scaled_rows", "nearly_singular_block", "near_toeplitz")
+    shapes = [tuple(t.shape) for t in benchmarks._problem(n, 0, dtype)]
+    for family, args in made.items():
+        assert [tuple(t.shape) for t in args] == shapes, family
+        assert all(t.dtype == dtype and torch.isfinite(t).all() for t in args), family
+    rhs = torch.from_numpy(np.random.default_rng(0).standard_normal(n)).to(dtype)
+
+    def constant(family, d, off):
+        lower, diag, upper, b = made[family]
+        assert (diag == torch.tensor(d, dtype=dtype)).all(), family
+        assert (lower == off).all() and (upper == off).all(), family
+        assert torch.equal(b, rhs), family
+
+    constant("poisson", 2.0, -1.0)
+    constant("near_toeplitz", 2.001, -1.0)
+    for family, r in (("heat_r1", 1.0), ("heat_r1e2", 1e2), ("heat_r1e4", 1e4)):
+        constant(family, 1 + 2 * r, -r)
+    for family, recipe in (("dominant", "dominant"), ("pivoting", "random"),
+                           ("nearly_singular_block", "nearly_singular_block")):
+        want = accuracy.make(recipe, n, np.float64, 0)
+        for got, expected in zip(made[family], want):
+            assert torch.equal(got, torch.from_numpy(expected.reshape(got.shape)).to(dtype))
+    lower, diag, upper, _ = (t.double() for t in made["pivoting"])
+    off = torch.zeros(n, dtype=torch.float64)
+    off[1:] += lower.abs()
+    off[:-1] += upper.abs()
+    assert (diag.abs() < off).any()  # not diagonally dominant: LAPACK must pivot
+
+    # one 4 x 4 block (the partitioned kernel's) nearly singular, none in the pivoting family
+    def smallest_block_det(args):
+        a = dense_of(*(t.double() for t in args[:3]))
+        m = partitioned.BLOCK
+        return min(abs(np.linalg.det(a[i:i + m, i:i + m]))
+                   / np.prod(np.linalg.norm(a[i:i + m, i:i + m], axis=1))
+                   for i in range(0, n - m + 1, m + 1))
+
+    assert smallest_block_det(made["nearly_singular_block"]) < 1e-3 * (
+        1 if dtype == torch.float64 else 100)
+    assert smallest_block_det(made["pivoting"]) > 1e-2
+
+    # scaled rows: row i and rhs[i] of the pivoting system times 10^t_i, t_i from -e to e
+    e = 100 if dtype == torch.float64 else 30
+    pivoting = benchmarks.one_system_family("pivoting", n, torch.float64)
+    scaled = [t.double() for t in made["scaled_rows"]]
+    row_scale = (scaled[1] / pivoting[1]).numpy()
+    exponents = np.log10(row_scale)
+    assert np.allclose(exponents, np.linspace(-e, e, n), atol=1e-3 if dtype == torch.float32
+                       else 1e-9)
+    assert exponents[0] == pytest.approx(-e, abs=1e-3) and exponents[-1] == pytest.approx(e,
+                                                                                      abs=1e-3)
+    np.testing.assert_allclose((scaled[3] / pivoting[3]).numpy(), row_scale, rtol=1e-6)
+    np.testing.assert_allclose((scaled[0] / pivoting[0]).numpy(), row_scale[1:], rtol=1e-6)
+    np.testing.assert_allclose((scaled[2] / pivoting[2]).numpy(), row_scale[:-1], rtol=1e-6)
+
+
+def test_unknown_family_is_refused():
+    with pytest.raises(ValueError, match="unknown family 'toeplitz'"):
+        benchmarks.one_system_family("toeplitz", 8)
+    with pytest.raises(SystemExit):
+        benchmarks._parser().parse_args(["--families", "poisson,toeplitz"])
+    opts = benchmarks._parser().parse_args(["--families", "poisson,heat_r1", "--busy", "busy"])
+    assert benchmarks._family_options(opts) == dict(families=("poisson", "heat_r1"),
+                                                    busy=(True,))
+    quick = benchmarks._parser().parse_args(["--quick"])
+    assert benchmarks._family_options(quick) == dict(families=benchmarks.QUICK_FAMILIES,
+                                                     busy=(False,))
+    full = benchmarks._parser().parse_args([])
+    assert benchmarks._family_options(full) == dict(families=benchmarks.FAMILIES,
+                                                    busy=(False, True))
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of process ``pid`` (``/proc/<pid>/stat``)."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def gone(pid: int) -> bool:
+    """The process ``pid`` no longer exists (not even as a zombie)."""
+    return not os.path.exists(f"/proc/{pid}")
+
+
+@pytest.mark.skipif(not can_pin() or len(os.sched_getaffinity(0)) < 2,
+                    reason="needs CPU affinity, /proc and two cores")
+@pytest.mark.parametrize("leave", ["normally", "exception", "interrupt"])
+def test_busy_core_spins_another_process_on_the_last_core_and_ends_it(leave):
+    last = sorted(os.sched_getaffinity(0))[-1]
+    pid = None
+
+    class Leave(Exception):
+        pass
+
+    raised = {"normally": None, "exception": Leave, "interrupt": KeyboardInterrupt}[leave]
+    with contextlib.suppress(Leave, KeyboardInterrupt):
+        with benchmarks.busy_core() as spinner:
+            pid = spinner.pid
+            assert spinner.core == last and pid != os.getpid()
+            assert os.sched_getaffinity(pid) == {last}
+            before = cpu_seconds(pid)
+            time.sleep(0.3)
+            assert cpu_seconds(pid) - before > 0.1  # it spins
+            if raised:
+                raise raised
+    assert pid is not None and gone(pid)
+
+
+def test_busy_core_starts_nothing_on_one_core(monkeypatch):
+    monkeypatch.setattr(benchmarks, "_cpu_cores", lambda: [0])
+    monkeypatch.setattr(subprocess, "Popen", lambda *a, **k: pytest.fail("a process started"))
+    with benchmarks.busy_core() as spinner:
+        assert spinner is None
+
+
+def test_one_system_and_jax_units_are_keyed_by_family_and_condition(tmp_path):
+    """--merge continues by unit: a row of another family or condition is not the same unit;
+    rows stored before the families count as the dominant family, quiet."""
+    assert {"family", "busy"} <= set(benchmarks.UNIT_FIELDS["one_system"])
+    assert {"family", "busy"} <= set(benchmarks.UNIT_FIELDS["against_jax"])
+    report = benchmarks._Report(str(tmp_path / "r.json"), {})
+    report._machine = {"cpu": "x"}
+    suite = report.suite("one_system", {})
+    old = dict(dtype="float64", threads=1, n=4096)
+    assert suite.unit(old) == suite.unit(dict(old, family="dominant", busy=False))
+    assert suite.unit(old) != suite.unit(dict(old, family="poisson", busy=False))
+    assert suite.unit(old) != suite.unit(dict(old, family="dominant", busy=True))
+    assert benchmarks.with_family_defaults([old]) == [dict(old, family="dominant", busy=False)]
+    assert benchmarks.with_family_defaults([dict(old, family="poisson", busy=True)])[0][
+        "family"] == "poisson"
+
+
+def test_tiny_one_system_run_has_family_and_busy_rows():
+    """A tiny run_one_system (one dtype, one thread, quiet and busy) returns a row per
+    implementation, mode, family and condition, and format_one_system prints them all and its
+    summary. No timing assertion."""
+    families = ("dominant", "poisson")
+    lines = []
+    rows = benchmarks.run_one_system(cases=[2048], families=families, dtypes=(torch.float64,),
+                                     threads=(1,), busy=(False, True), min_time=1e-4, repeats=2,
+                                     log=lines.append)
+    keys = {(r["family"], r["busy"], r["mode"]) for r in rows}
+    assert keys == {(f, b, "forward") for f in families for b in (False, True)} | {
+        ("dominant", b, "backward") for b in (False, True)}
+    busy_cores = {r["busy_core"] for r in rows if r["busy"]}
+    can_busy = can_pin() and len(os.sched_getaffinity(0)) >= 2
+    assert busy_cores == ({sorted(os.sched_getaffinity(0))[-1]} if can_busy else {None})
+    assert {r["busy_core"] for r in rows if not r["busy"]} == {None}
+    impls = {r["impl"] for r in rows}
+    assert {benchmarks.RAW_GTSV, benchmarks.FLOOR, benchmarks.FINAL,
+            benchmarks.FINAL_LAPACK} <= impls
+    assert (benchmarks.LARGE_KERNEL in impls) == compiled.is_available()
+    for r in rows:
+        assert r["n"] == 2048 and r["threads"] == 1 and r["error"] is None
+        assert r["seconds"] > 0
+        if r["mode"] == "forward":
+            gtsv = next(g for g in rows if (g["impl"], g["family"], g["busy"]) == (
+                benchmarks.RAW_GTSV, r["family"], r["busy"]))
+            assert r["vs_gtsv"] == pytest.approx(r["seconds"] / gtsv["seconds"])
+        else:
+            assert r["vs_gtsv"] is None
+    assert any("busy" in line for line in lines)
+    text = benchmarks.format_one_system(rows)
+    assert max(len(line) for line in text.splitlines()) <= 100
+    body = text.split("\n\n")[0].splitlines()
+    assert len(body) == 1 + len(rows)  # a header and a line per row
+    assert sum(" busy " in line for line in body) == sum(r["busy"] for r in rows) or not can_busy
+    for family in families:
+        assert family in text
+    assert "median" in text and "One thread, quiet" in text
 
 
 def test_pure_torch_kernel_cases_time_the_sequential_kernel(monkeypatch):
@@ -532,7 +729,7 @@ def test_route_without_the_fused_backward_runs_the_band_products_in_torch_ops(mo
     monkeypatch.setattr(rules, "solve_backward",
                         lambda *a: calls.append("rules") or real_rules(*a))
     switch = benchmarks.ROUTES["without the fused C++ backward"][1]
-    for n in (8, compiled.SPECULATIVE_MIN_N + 5):
+    for n in (8, benchmarks._kernel_min_n() + 5):
         args = benchmarks._problem(n, 0, torch.float64)
         leaves = [a.clone().requires_grad_() for a in args]
         expected = torch.autograd.grad(tridiagonal_solve(*leaves).sum(), leaves)

@@ -39,6 +39,14 @@ process of its own whose CPU affinity is that many cores, set before torch and J
 XLA's pool, LAPACK's and torch's all get those cores (each row records the affinity and the pool
 sizes seen). The JAX rows of the main table run in this process, at JAX's default pool.
 
+The one-system experiment (:func:`run_one_system`, ``--one-system-only``) and the single systems
+of the comparison with JAX measure the matrices users solve (``FAMILIES``, made by
+:func:`one_system_family`: random with and without diagonal dominance, Poisson, implicit heat
+steps, badly scaled rows, a nearly singular block, a nearly Toeplitz matrix; ``--families``), each
+quiet and with a busy core (:func:`busy_core`: another process spinning on one core while the
+pinned process measures; ``--busy``). Rows stored before there were families lack ``family`` and
+``busy``: :func:`with_family_defaults` reads them as ``dominant``, quiet.
+
 The time-stepping experiment (:func:`run_time_stepping`, skipped with ``--no-steps``, alone with
 ``--steps-only``) times an implicit simulation with one fixed matrix, ``u <- A^{-1} u`` for many
 steps, forward and forward + backward, solving every step with
@@ -100,7 +108,7 @@ from .reference import dense_solve
 
 __all__ = ["run", "run_time_stepping", "run_compiled_kernel", "run_torch_kernels",
            "run_against_jax", "run_one_system", "run_routes", "run_cliffs", "CountOperations", "evaluate_targets",
-           "main"]
+           "one_system_family", "busy_core", "with_family_defaults", "FAMILIES", "main"]
 
 SINGLE_SIZES = [10**2, 10**3, 10**4, 10**5, 10**6]
 BATCHES = [(1024, 256), (16384, 64), (100000, 8)]
@@ -577,8 +585,10 @@ def run_compiled_kernel(cases=COMPILED_CASES, threads=(1, None), min_time=0.2, r
     if not compiled.is_available():
         raise RuntimeError(compiled._missing_message())
 
+    threshold = {_size_keyword(): ONE_CHAIN}
+
     def op(*matrix):
-        return compiled.solve_ex(*matrix, speculative_min_n=ONE_CHAIN)
+        return compiled.solve_ex(*matrix, **threshold)
     recorder = recorder or _NO_RECORDER
     recorder.begin([dict(threads=count, n=n, batch=batch)
                     for count in _thread_count_values(threads) for n, batch in cases])
@@ -958,56 +968,119 @@ def _in_pinned_process(config: dict, log, recorder=None) -> list:
         if child.wait() in (130, -2):  # the interrupt reached the child first (Ctrl-C: both)
             raise KeyboardInterrupt
         if child.returncode != 0:
-            raise RuntimeError(f"run_against_jax: the process pinned to {config['threads']} "
+            entry = config.get("entry", "_against_jax_here").strip("_").replace("_here", "")
+            raise RuntimeError(f"run_{entry}: the process pinned to {config['threads']} "
                                f"core(s) failed with exit status {child.returncode} (its error "
                                "is on stderr above)")
     return rows
 
 
+# One large system: the matrices users solve (FAMILIES), quiet and with a busy core. Per family,
+# n, dtype, thread count and condition, raw ?gtsv, the memory floor, the op and the C++ kernel
+# called directly are timed in one alternation (see run_one_system).
+ONE_SYSTEM_CASES = (4096, 10**5, 10**6)  # n
+FAMILIES = ("dominant", "pivoting", "poisson", "heat_r1", "heat_r1e2", "heat_r1e4", "scaled_rows",
+            "nearly_singular_block", "near_toeplitz")
+BACKWARD_FAMILIES = ("dominant",)  # the families timed forward + backward by default
+QUICK_FAMILIES = ("dominant", "pivoting")  # --quick's families
+HEAT_R = {"heat_r1": 1.0, "heat_r1e2": 1e2, "heat_r1e4": 1e4}  # I + r tridiag(-1, 2, -1)
+NEAR_TOEPLITZ_DIAG = 2.001  # tridiag(-1, 2.001, -1)
+SCALED_ROWS_EXPONENT = {torch.float32: 30, torch.float64: 100}  # row scales 10^-e .. 10^e
+# The family and condition of a row stored before rows had them (the one-system and JAX rows
+# then timed the suite's diagonally dominant problem, quiet).
+FAMILY_DEFAULTS = {"family": "dominant", "busy": False}
+BUSY_SETTLE = 0.3  # seconds busy_core waits for its spinner to run
+RAW_GTSV = "raw ?gtsv (SciPy)"
+FLOOR = "memory floor (a copy of the same bytes)"
+LARGE_KERNEL = "C++ large-system kernel (compiled.solve_ex)"
+# The same row's label in files written before the kernel was renamed (readers of older rows).
+SPECULATIVE = "C++ speculative kernel (compiled.solve_ex)"
+
+
 def run_against_jax(cases=AGAINST_JAX_CASES, dtypes=(torch.float32, torch.float64),
                     threads=(1, None), min_time=0.1, repeats=9,
-                    compiled_cases=AGAINST_JAX_COMPILED_CASES, log=print, recorder=None):
+                    compiled_cases=AGAINST_JAX_COMPILED_CASES, families=FAMILIES,
+                    busy=(False, True), backward_families=BACKWARD_FAMILIES, log=print,
+                    recorder=None):
     """Time the final op against JAX's ``jax.lax.linalg.tridiagonal_solve``, forward and forward +
     backward (all four gradients; ``jax.grad`` of ``sum(x)`` for JAX).
 
-    Per case, dtype and mode, in alternation: the final op as installed (``FINAL``,
+    Per case, dtype, family and mode, in alternation: the final op as installed (``FINAL``,
     ``driver=None``), the final op on LAPACK (``FINAL_LAPACK``), at ``compiled_cases`` the final
     op compiled (``COMPILED_FINAL``: ``torch.compile(tridiagonal_solve, **COMPILE_OPTIONS)``,
-    the backward through its compiled backward), and JAX.
+    the backward through its compiled backward; the ``dominant`` family only), and JAX.
+
+    One system (``batch`` 0) is each of ``families`` (:func:`one_system_family`); forward + backward
+    only for ``backward_families`` (``None``: all), the others forward only. A batch is the
+    suite's random diagonally dominant problem (:func:`_problem`: ``N(0, 1) + 4`` on the diagonal),
+    labelled ``dominant``, both modes, and is measured in the quiet condition only.
 
     Each of ``threads`` (``None``: every core this process may use) runs in a process of its own
     whose CPU affinity is that many cores, set before torch and JAX are imported, so that XLA's
     thread pool, LAPACK's and torch's (``torch.set_num_threads`` as well) all have exactly those
     cores; a count above the cores available is skipped, said so. Without
     ``os.sched_setaffinity`` (not Linux) the process is not pinned: its rows say
-    ``affinity=None``.
+    ``affinity=None``. ``busy``: the conditions, ``False`` quiet, ``True`` with another process
+    spinning on one core while the process measures (:func:`busy_core`; see
+    :func:`_in_pinned_processes` for which core).
 
     Returns rows with ``impl``, ``mode``, ``compiled``, ``n``, ``batch``, ``dtype``, ``threads``,
-    ``seconds``, ``ratio`` = seconds / JAX's (below 1: faster than JAX), ``vs_eager`` (compiled
-    rows: seconds / the eager ``FINAL``'s; else ``None``), and what the process saw: ``affinity``
-    (its cores), ``torch_threads`` and ``xla_threads`` (the threads of XLA's CPU pool, counted by
-    name; ``None`` where they cannot be seen). Needs JAX. ``recorder``: as :func:`run`'s, a
-    case and mode (its rows timed together) at a time."""
+    ``family``, ``busy``, ``busy_core`` (the spinning core; ``None``: quiet, or, with ``busy``
+    true, no core could be made busy), ``seconds``, ``ratio`` = seconds / JAX's (below 1: faster
+    than JAX), ``vs_eager`` (compiled rows: seconds / the eager ``FINAL``'s; else ``None``), and
+    what the process saw: ``affinity`` (its cores), ``torch_threads`` and ``xla_threads`` (the
+    threads of XLA's CPU pool, counted by name; ``None`` where they cannot be seen). Needs JAX.
+    ``recorder``: as :func:`run`'s, a case, family and mode (its rows timed together) at a time.
+    Rows stored before the families (no ``family`` / ``busy``): read them with
+    :func:`with_family_defaults`."""
     if importlib.util.find_spec("jax") is None:
         raise RuntimeError("run_against_jax needs JAX: pip install jax")
+    _check_families(families)
     dnames = [str(d).replace("torch.", "") for d in dtypes]
+    cases = [tuple(c) for c in cases]
+    families = list(families)
+    backward = None if backward_families is None else list(backward_families)
     config = dict(cases=[list(c) for c in cases], dtypes=dnames, min_time=min_time,
-                  repeats=repeats, compiled_cases=[list(c) for c in compiled_cases])
+                  repeats=repeats, compiled_cases=[list(c) for c in compiled_cases],
+                  families=families, backward_families=backward)
 
-    def units(count):
-        return [dict(dtype=dname, threads=count, n=n, batch=batch, mode=mode)
-                for dname in dnames for n, batch in cases for mode in MODES]
+    def units(count, is_busy):
+        return [dict(dtype=dname, threads=count, busy=is_busy, family=family, n=n, batch=batch,
+                     mode=mode)
+                for dname in dnames
+                for n, batch, family, mode in _against_jax_plan(cases, families, backward,
+                                                                is_busy)]
 
-    return _in_pinned_processes(threads, config, "against JAX", log, recorder, units)
+    return _in_pinned_processes(threads, config, "against JAX", log, recorder, units, busy)
+
+
+def _against_jax_plan(cases, families, backward_families, busy: bool):
+    """The ``(n, batch, family, mode)`` that :func:`_against_jax_here` measures, in its order."""
+    plan = []
+    for n, batch in cases:
+        if batch and busy:  # batches: the quiet condition only
+            continue
+        for family in (("dominant",) if batch else families):
+            for mode in _family_modes(family, MODES, None if batch else backward_families):
+                plan.append((n, batch, family, mode))
+    return plan
 
 
 def _in_pinned_processes(threads, config: dict, label: str, log, recorder=None,
-                         units=lambda count: []) -> list:
+                         units=lambda count, busy: [], busy=(False,)) -> list:
     """The rows of :func:`_in_pinned_process` with ``config`` for each of ``threads`` (``None``:
     every core this process may use), in a process pinned to that many cores (``config`` gets
-    ``threads`` and ``cores``); a count above the cores available is skipped, said so.
-    ``units(count)``: the cases (dicts of the same keys) that the process at ``count`` threads
-    measures, for ``recorder``."""
+    ``threads`` and ``cores``: the first ``threads`` cores this process may use); a count above
+    the cores available is skipped, said so. For each count, one process per condition of
+    ``busy`` (``config`` gets ``busy`` and ``busy_core``): quiet (``False``), or (``True``) with
+    :func:`busy_core` spinning, in a process of its own, on the last of the measuring process's
+    cores where it has two or more (so that one of its threads shares a core with the spinner),
+    else on the last core this process may use (so that its one thread has the other core
+    alone); where no core can be made busy (one core, or no ``os.sched_setaffinity``) the
+    process measures all the same and its rows say ``busy_core=None``.
+    ``units(count, busy)``: the cases (dicts of the same keys) that the process at ``count``
+    threads in that condition measures, for ``recorder``; a process with no case left to measure
+    is not started."""
     recorder = recorder or _NO_RECORDER
     available = _cpu_cores()
     rows = []
@@ -1018,76 +1091,259 @@ def _in_pinned_processes(threads, config: dict, label: str, log, recorder=None,
             log(f"  {label}: no rows for {count} threads: this process may use "
                 f"{len(available)} core(s)")
     counts = [c for c in counts if available is None or c <= len(available)]
-    recorder.begin([unit for count in counts for unit in units(count)])
+    conditions = list(dict.fromkeys(bool(b) for b in busy))
+    recorder.begin([unit for count in counts for b in conditions for unit in units(count, b)])
     for count in counts:
-        fields = list(units(count)[0]) if units(count) else []
-        done = [[unit[f] for f in fields] for unit in units(count) if recorder.done(unit)]
         cores = None if available is None else available[:count]
-        rows += _in_pinned_process(dict(config, threads=count, cores=cores,
-                                        recorder=dict(fields=fields, done=done)), log, recorder)
+        for is_busy in conditions:
+            wanted = units(count, is_busy)
+            fields = list(wanted[0]) if wanted else []
+            done = [[unit[f] for f in fields] for unit in wanted if recorder.done(unit)]
+            if len(done) == len(wanted):
+                continue  # nothing to measure, or all measured by the run being continued
+            core = cores[-1] if cores and len(cores) >= 2 else None
+            with (busy_core(core) if is_busy else contextlib.nullcontext()) as spinner:
+                if is_busy and spinner is None:
+                    log(f"  {label}: {count} thread(s), busy: no core can be made busy here "
+                        "(one core, or no os.sched_setaffinity); measured all the same, "
+                        "busy_core=None")
+                rows += _in_pinned_process(
+                    dict(config, threads=count, cores=cores, busy=is_busy,
+                         busy_core=None if spinner is None else spinner.core,
+                         recorder=dict(fields=fields, done=done)), log, recorder)
     return rows
 
 
 def _against_jax_here(cases, dtypes, threads, cores, min_time, repeats, compiled_cases,
-                      log=print, recorder=None):
+                      families=("dominant",), backward_families=BACKWARD_FAMILIES, busy=False,
+                      busy_core=None, log=print, recorder=None):
     """:func:`run_against_jax`'s measurements at ``threads`` threads in this process, whose
-    affinity the caller has set to ``cores`` (a list, or ``None``) before importing torch."""
+    affinity the caller has set to ``cores`` (a list, or ``None``) before importing torch; the
+    caller keeps ``busy_core`` busy (``busy``) while this runs."""
     recorder = recorder or _NO_RECORDER
     torch.set_num_threads(threads)
     jax = _jax()
     compiled_cases = {tuple(c) for c in compiled_cases}
+    cases = [tuple(c) for c in cases]
     # Each (dtype, rank, mode) compiles once with dynamic shapes; they share one code object's
     # cache in Dynamo, so the default limit of 8 entries is too small here.
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
     compiled_solve = torch.compile(tridiagonal_solve, **COMPILE_OPTIONS)
     affinity = _cpu_cores()
     log(f"  against JAX: a process pinned to cores {affinity}, torch threads "
-        f"{torch.get_num_threads()}, jax {jax.__version__}")
+        f"{torch.get_num_threads()}, jax {jax.__version__}, {_busy_text(busy, busy_core)}")
+    plan = _against_jax_plan(cases, families, backward_families, busy)
     rows = []
     for dname in dtypes:
         dtype = getattr(torch, dname)
-        for n, batch in cases:
-            args = _problem(n, batch, dtype)
-            for mode in MODES:
-                if recorder.done(dict(dtype=dname, threads=threads, n=n, batch=batch, mode=mode)):
-                    continue
-                fns = {FINAL: _torch_callable(tridiagonal_solve, args, mode),
-                       FINAL_LAPACK: _torch_callable(TORCH_IMPLS[FINAL_LAPACK], args, mode)}
-                if (n, batch) in compiled_cases:
-                    fns[COMPILED_FINAL] = _torch_callable(compiled_solve, args, mode)
-                fns[JAX_IMPL] = _jax_callable(args, mode)
-                medians = _time_interleaved(fns, min_time, repeats)
-                names = _thread_names()
-                seen = dict(affinity=affinity, torch_threads=torch.get_num_threads(),
-                            xla_threads=None if names is None else names.get(XLA_POOL_THREAD))
-                case = []
-                for impl, seconds in medians.items():
-                    compiled = impl == COMPILED_FINAL
-                    case.append(dict(impl=impl, mode=mode, compiled=compiled, n=n, batch=batch,
-                                     dtype=dname, threads=threads, seconds=seconds,
-                                     ratio=seconds / medians[JAX_IMPL],
-                                     vs_eager=seconds / medians[FINAL] if compiled else None,
-                                     **seen))
-                log(f"  against JAX  {dname:8s} threads={threads} (XLA pool "
-                    f"{seen['xla_threads']}) n={n:>7d} batch={batch:>6d} {mode:8s} ours / JAX: "
-                    + "  ".join(f"{_short(impl)} {medians[impl] / medians[JAX_IMPL]:.2f}"
-                                for impl in fns if impl != JAX_IMPL))
-                rows += case
-                recorder.add(case, f"{dname} {threads} thr {_shape(n, batch)} {mode}")
+        problems = {}
+        for n, batch, family, mode in plan:
+            if recorder.done(dict(dtype=dname, threads=threads, busy=busy, family=family, n=n,
+                                  batch=batch, mode=mode)):
+                continue
+            if (n, batch, family) not in problems:
+                problems.clear()  # one problem at a time: 1e6 unknowns are 32 MB in float64
+                problems[n, batch, family] = (_problem(n, batch, dtype) if batch else
+                                              one_system_family(family, n, dtype))
+            args = problems[n, batch, family]
+            fns = {FINAL: _torch_callable(tridiagonal_solve, args, mode),
+                   FINAL_LAPACK: _torch_callable(TORCH_IMPLS[FINAL_LAPACK], args, mode)}
+            if (n, batch) in compiled_cases and family == "dominant":
+                fns[COMPILED_FINAL] = _torch_callable(compiled_solve, args, mode)
+            fns[JAX_IMPL] = _jax_callable(args, mode)
+            fns, errors = _working(fns)
+            medians = _time_interleaved(fns, min_time, repeats)
+            medians.update(dict.fromkeys(errors))
+            names = _thread_names()
+            seen = dict(affinity=affinity, torch_threads=torch.get_num_threads(),
+                        xla_threads=None if names is None else names.get(XLA_POOL_THREAD))
+            jax_seconds, eager = medians.get(JAX_IMPL), medians.get(FINAL)
+            case = []
+            for impl, seconds in medians.items():
+                compiled = impl == COMPILED_FINAL
+                case.append(dict(
+                    impl=impl, mode=mode, compiled=compiled, n=n, batch=batch, dtype=dname,
+                    threads=threads, family=family, busy=busy, busy_core=busy_core,
+                    seconds=seconds, ratio=_quotient(seconds, jax_seconds),
+                    vs_eager=_quotient(seconds, eager) if compiled else None,
+                    error=errors.get(impl), **seen))
+            log(f"  against JAX  {dname:8s} threads={threads} (XLA pool {seen['xla_threads']}) "
+                f"{_load_text(busy, busy_core):5s} {family:21s} n={n:>7d} batch={batch:>6d} "
+                f"{mode:8s} ours / JAX: "
+                + "  ".join(f"{_short(impl)} {_ratio_text(_quotient(medians[impl], jax_seconds))}"
+                            for impl in medians if impl != JAX_IMPL))
+            rows += case
+            recorder.add(case, f"{dname} {threads} thr {_load_text(busy, busy_core)} {family} "
+                               f"{_shape(n, batch)} {mode}")
     return rows
 
 
-ONE_SYSTEM_CASES = (10**4, 10**5, 10**6)  # n
-RAW_GTSV = "raw ?gtsv (SciPy)"
-FLOOR = "memory floor (a copy of the same bytes)"
-SPECULATIVE = "C++ speculative kernel (compiled.solve_ex)"
 
 
-def _speculative_callable(args, mode):
-    """The C++ kernel's speculative solve (:func:`tridiag_tutorial.compiled.solve_ex`), called
-    directly, without the final op's dispatch: forward, or forward + the four gradients as the
-    final op's C++ fast path computes them (:func:`compiled.solve_backward`: one more solve, with
-    ``A^T``, and the band gradients, in one call)."""
+def _check_families(families):
+    unknown = [f for f in families if f not in FAMILIES]
+    if unknown:
+        raise ValueError(f"unknown famil{'ies' if len(unknown) > 1 else 'y'} "
+                         f"{', '.join(map(repr, unknown))}; the families: {', '.join(FAMILIES)}")
+
+
+def one_system_family(family: str, n: int, dtype: torch.dtype = torch.float64, seed: int = 0):
+    """``(lower, diag, upper, rhs)``: one system of ``n`` unknowns of ``family`` (one of
+    ``FAMILIES``), torch tensors of ``dtype`` (float32 or float64), ``rhs`` of shape ``(n,)`` as
+    :func:`_problem`'s single system. All made in NumPy float64 and then cast; ``rhs`` is
+    standard normal from ``numpy.random.default_rng(seed)`` (for the families of
+    :mod:`tridiag_tutorial.accuracy`, its right-hand side, drawn so).
+
+    - ``dominant``: ``accuracy.make("dominant")`` (random, 4 added to the diagonal's magnitude);
+    - ``pivoting``: ``accuracy.make("random")`` (diagonal ``±(1.5 + |N|)``: needs row
+      interchanges);
+    - ``poisson``: ``tridiag(-1, 2, -1)``;
+    - ``heat_r1``, ``heat_r1e2``, ``heat_r1e4``: an implicit heat step ``I + r tridiag(-1, 2,
+      -1)`` (diagonal ``1 + 2r``, off-diagonals ``-r``) for ``r`` = 1, 1e2, 1e4 (``HEAT_R``);
+    - ``scaled_rows``: the pivoting family with row ``i`` and ``rhs[i]`` multiplied by
+      ``10^t_i``, ``t_i`` going evenly from ``-e`` to ``e`` down the rows, ``e`` = 100 in float64
+      and 30 in float32 (``SCALED_ROWS_EXPONENT``; 1e100 overflows float32);
+    - ``nearly_singular_block``: ``accuracy.make("nearly_singular_block")`` (one block of the
+      partitioned kernel's size singular, perturbed by a relative ``10^U(-15, -3)``);
+    - ``near_toeplitz``: ``tridiag(-1, 2.001, -1)``."""
+    from . import accuracy  # here: only this experiment needs it
+    _check_families([family])
+    if dtype not in SCALED_ROWS_EXPONENT:
+        raise ValueError(f"one_system_family: float32 or float64, not {dtype}")
+    if family in ("dominant", "pivoting", "scaled_rows", "nearly_singular_block"):
+        recipe = {"pivoting": "random", "scaled_rows": "random"}.get(family, family)
+        lower, diag, upper, rhs = (np.asarray(a, dtype=np.float64) for a in
+                                   accuracy.make(recipe, n, np.float64, seed))
+        rhs = rhs.reshape(n)
+        if family == "scaled_rows":
+            e = SCALED_ROWS_EXPONENT[dtype]
+            scale = 10.0 ** np.linspace(-e, e, n)
+            diag, rhs = diag * scale, rhs * scale
+            lower, upper = lower * scale[1:], upper * scale[:-1]  # lower[i]: row i + 1
+    else:
+        if family == "poisson":
+            d, off = 2.0, -1.0
+        elif family == "near_toeplitz":
+            d, off = NEAR_TOEPLITZ_DIAG, -1.0
+        else:
+            r = HEAT_R[family]
+            d, off = 1.0 + 2.0 * r, -r
+        lower, upper = np.full(n - 1, off), np.full(n - 1, off)
+        diag = np.full(n, d)
+        rhs = np.random.default_rng(seed).standard_normal(n)
+    return [torch.from_numpy(np.ascontiguousarray(a)).to(dtype) for a in (lower, diag, upper, rhs)]
+
+
+def with_family_defaults(rows) -> list:
+    """``rows`` of :func:`run_one_system` or :func:`run_against_jax`, each with ``family`` and
+    ``busy`` (copies): rows stored before there were families lack them and timed the suite's
+    dominant problem, quiet (``FAMILY_DEFAULTS``)."""
+    return [{**FAMILY_DEFAULTS, **r} for r in rows]
+
+
+@dataclass
+class Spinner:
+    """What :func:`busy_core` started: the spinning process and the core it is pinned to."""
+    pid: int
+    core: int
+    process: subprocess.Popen
+
+
+@contextlib.contextmanager
+def busy_core(core: int | None = None, settle: float = BUSY_SETTLE):
+    """Keep one core busy while the block runs: another Python process spinning (``while True:
+    pass``) pinned with ``os.sched_setaffinity`` to ``core`` (default: the last core this process
+    may use); yields a :class:`Spinner` once it has run for ``settle`` seconds, and kills and
+    waits for it on leaving the block, whatever ends it (an exception, an interrupt). Yields
+    ``None``, starting nothing, where no core can be made busy beside this process: without
+    ``os.sched_setaffinity``, or on one core."""
+    cores = _cpu_cores()
+    if not hasattr(os, "sched_setaffinity") or not cores or len(cores) < 2:
+        yield None
+        return
+    core = cores[-1] if core is None else core
+    process = subprocess.Popen([sys.executable, "-c", "while True: pass"],
+                               stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL)
+    try:
+        os.sched_setaffinity(process.pid, {core})
+        time.sleep(settle)
+        if process.poll() is not None:
+            raise RuntimeError(f"busy_core: the spinning process ended (status "
+                               f"{process.returncode})")
+        yield Spinner(process.pid, core, process)
+    finally:
+        process.kill()
+        process.wait()
+
+
+def _busy_text(busy: bool, core) -> str:
+    """The condition in words, for the log."""
+    if not busy:
+        return "quiet"
+    return f"core {core} busy" if core is not None else "busy asked, but no core could be made busy"
+
+
+def _load_text(busy: bool, core) -> str:
+    """The condition in a few characters: ``quiet``, ``busy`` or ``busy*`` (asked for, but no core
+    could be made busy)."""
+    return "busy" if busy and core is not None else "busy*" if busy else "quiet"
+
+
+def _family_text(family: str) -> str:
+    """A family in at most 13 characters, for the tables."""
+    return {"nearly_singular_block": "near_singular"}.get(family, family)[:13]
+
+
+def _quotient(a, b):
+    return None if a is None or not b else a / b
+
+
+def _ratio_text(q, width: int = 0) -> str:
+    return f"{'-' if q is None else f'{q:.2f}':>{width}s}"
+
+
+def _working(fns: dict):
+    """``fns`` split into those whose call succeeds (called once here) and ``{key: error}``."""
+    ok, errors = {}, {}
+    for key, fn in fns.items():
+        try:
+            fn()
+        except Exception as err:  # a failing implementation is a result too
+            text = str(err).splitlines()
+            errors[key] = f"{type(err).__name__}: {text[0] if text else ''}"
+        else:
+            ok[key] = fn
+    return ok, errors
+
+
+def _kernel_min_n() -> int | None:
+    """From how many unknowns one real system goes to the C++ large-system kernel (the name of
+    the constant changes: ``PIECES_MIN_N``, earlier ``SPECULATIVE_MIN_N``)."""
+    value = getattr(compiled, "PIECES_MIN_N", None)
+    return getattr(compiled, "SPECULATIVE_MIN_N", None) if value is None else value
+
+
+def _size_keyword() -> str:
+    """The name of :func:`compiled.solve_ex`'s size threshold: ``pieces_min_n``, earlier
+    ``speculative_min_n``."""
+    import inspect
+    params = inspect.signature(compiled.solve_ex).parameters
+    return "pieces_min_n" if "pieces_min_n" in params else "speculative_min_n"
+
+
+def _family_modes(family: str, modes, backward_families) -> list:
+    """The modes timed for ``family``: forward always (the baseline's mode), backward where asked
+    for and the family is one of ``backward_families`` (``None``: every family)."""
+    return ["forward"] + (["backward"] if "backward" in modes and (
+        backward_families is None or family in backward_families) else [])
+
+
+def _large_kernel_callable(args, mode):
+    """The C++ kernel for one large system (:func:`tridiag_tutorial.compiled.solve_ex`, its
+    default arguments), called directly, without the final op's dispatch: forward, or forward +
+    the four gradients as the final op's C++ fast path computes them
+    (:func:`compiled.solve_backward`: one more solve, with ``A^T``, and the band gradients, in
+    one call)."""
     lower, diag, upper = args[:3]
     rhs = args[3].unsqueeze(-1)
     if mode == "forward":
@@ -1109,116 +1365,213 @@ def _floor_callable(args):
     return lambda: np.copyto(target, source)
 
 
-def run_one_system(cases=ONE_SYSTEM_CASES, dtypes=(torch.float32, torch.float64), threads=(1, 2),
-                   min_time=0.1, repeats=9, log=print, recorder=None):
-    """One large system of each size ``n`` in ``cases``, timed in alternation
-    (:func:`_time_interleaved`) in a process pinned to each thread count (as
-    :func:`run_against_jax`): raw ``?gtsv`` through SciPy (forward only), the memory floor
+def run_one_system(cases=ONE_SYSTEM_CASES, families=FAMILIES,
+                   dtypes=(torch.float32, torch.float64), threads=(1, 2), busy=(False, True),
+                   min_time=0.1, repeats=9, modes=MODES, backward_families=BACKWARD_FAMILIES,
+                   log=print, recorder=None):
+    """One large system of each size ``n`` in ``cases`` and each of ``families``
+    (:func:`one_system_family`), timed in alternation (:func:`_time_interleaved`) in a process
+    pinned to each thread count (the first cores this process may use; as
+    :func:`run_against_jax`), quiet and with a busy core (``busy``; see
+    :func:`_in_pinned_processes`): raw ``?gtsv`` through SciPy (forward only), the memory floor
     (:func:`_floor_callable`, forward only), the final op as installed (``FINAL``), the final op
-    on LAPACK, the C++ kernel's speculative solve (:func:`_speculative_callable`), and JAX's
-    ``tridiagonal_solve`` where JAX is installed (forward and ``jax.grad``).
+    on LAPACK, the C++ large-system kernel called directly (``LARGE_KERNEL``:
+    :func:`_large_kernel_callable`), and JAX's ``tridiagonal_solve`` where JAX is installed
+    (forward and ``jax.grad``). ``modes``: forward always (the baseline's mode); backward only
+    for ``backward_families`` (``None``: every family).
 
     Returns rows with ``impl``, ``mode`` (``forward``; ``backward`` = forward + all four
-    gradients), ``n``, ``dtype``, ``threads``, ``seconds``, ``ns_per_unknown``, ``vs_gtsv``
-    (seconds / raw ``?gtsv``'s, timed in the same alternation; forward rows only, else
-    ``None``), ``vs_jax`` (seconds / JAX's in the same mode, or ``None``),
-    ``floor_ns_per_unknown`` and what the process saw (``affinity``, ``torch_threads``). A thread
-    count above the cores available is skipped, said so. ``recorder``: as :func:`run`'s, a
-    system (its rows, both modes, timed together) at a time."""
+    gradients), ``family``, ``n``, ``dtype``, ``threads``, ``busy``, ``busy_core`` (the
+    spinning core; ``None`` where quiet or where no core could be made busy), ``seconds``,
+    ``ns_per_unknown``, ``vs_gtsv`` (seconds / raw ``?gtsv``'s, timed in the same alternation;
+    forward rows only, else ``None``), ``vs_jax`` (seconds / JAX's in the same mode, or
+    ``None``), ``floor_ns_per_unknown``, ``error`` (an implementation that failed on the system:
+    no time), ``kernel_min_n`` (from which n one system goes to the C++ large-system kernel) and
+    what the process saw (``affinity``, ``torch_threads``); ``LARGE_KERNEL``'s rows also
+    ``kernel_fallbacks`` (``solve_ex``'s count for this system). A thread count above the cores
+    available is skipped, said so. ``recorder``: as :func:`run`'s, a system (its rows, all
+    modes, timed together) at a time. Rows stored before the families: read them with
+    :func:`with_family_defaults`.
+
+    Run time (estimated from single cases on a 2-core machine, one system of each size, float64,
+    one thread): a forward case takes about 32 s at n = 4096 and 1e5 and 40 s at 1e6 with
+    ``min_time=0.2`` and 15 interleaved repeats (the command line's defaults), a forward +
+    backward case of the dominant family about 25 s more; all families, sizes, dtypes, thread
+    counts and both conditions: about 2 hours (about 50 minutes with ``min_time=0.1`` and 9)."""
+    _check_families(families)
     dnames = [str(d).replace("torch.", "") for d in dtypes]
-    config = dict(entry="_one_system_here", cases=list(cases), dtypes=dnames,
-                  min_time=min_time, repeats=repeats)
+    families, cases = list(families), list(cases)
+    backward = None if backward_families is None else list(backward_families)
+    config = dict(entry="_one_system_here", cases=cases, dtypes=dnames, families=families,
+                  modes=list(modes), backward_families=backward, min_time=min_time,
+                  repeats=repeats)
 
-    def units(count):
-        return [dict(dtype=dname, threads=count, n=n) for dname in dnames for n in cases]
+    def units(count, is_busy):
+        return [dict(dtype=dname, threads=count, busy=is_busy, family=family, n=n)
+                for dname in dnames for family in families for n in cases]
 
-    return _in_pinned_processes(threads, config, "one system", log, recorder, units)
+    return _in_pinned_processes(threads, config, "one system", log, recorder, units, busy)
 
 
-def _one_system_here(cases, dtypes, threads, cores, min_time, repeats, log=print,
-                     recorder=None):
+def _one_system_here(cases, dtypes, threads, cores, min_time, repeats, families=("dominant",),
+                     modes=MODES, backward_families=BACKWARD_FAMILIES, busy=False,
+                     busy_core=None, log=print, recorder=None):
     """:func:`run_one_system`'s measurements at ``threads`` threads in this process, whose
-    affinity the caller has set to ``cores`` before importing torch."""
+    affinity the caller has set to ``cores`` before importing torch; the caller keeps
+    ``busy_core`` busy (``busy``) while this runs."""
     recorder = recorder or _NO_RECORDER
     torch.set_num_threads(threads)
     has_jax = _jax() is not None
+    has_kernel = compiled.is_available()
+    min_n = _kernel_min_n()
+    log(f"  one system: a process pinned to cores {_cpu_cores()}, torch threads "
+        f"{torch.get_num_threads()}, {_busy_text(busy, busy_core)}; the C++ kernel "
+        + (f"takes one system from n = {min_n}" if has_kernel else "was not built"))
+    load = _load_text(busy, busy_core)
     rows = []
     for dname in dtypes:
         dtype = getattr(torch, dname)
-        for n in cases:
-            if recorder.done(dict(dtype=dname, threads=threads, n=n)):
-                continue
-            args = _problem(n, 0, dtype)
-            medians = {}
-            for mode in MODES:
-                fns = {}
-                if mode == "forward":
-                    fns[RAW_GTSV] = _raw_gtsv(args)
-                    fns[FLOOR] = _floor_callable(args)
-                fns[FINAL] = _torch_callable(tridiagonal_solve, args, mode)
-                fns[FINAL_LAPACK] = _torch_callable(TORCH_IMPLS[FINAL_LAPACK], args, mode)
-                if compiled.is_available() and dtype in (torch.float32, torch.float64):
-                    fns[SPECULATIVE] = _speculative_callable(args, mode)
-                if has_jax:
-                    fns[JAX_IMPL] = _jax_callable(args, mode)
-                medians[mode] = _time_interleaved(fns, min_time, repeats)
-                log(f"  one system  {dname:8s} threads={threads} n={n:>8d} {mode:8s} ns/unknown: "
-                    + "  ".join(f"{_short(impl)} {s / n * 1e9:.1f}"
-                                for impl, s in medians[mode].items()))
-            gtsv, floor = medians["forward"][RAW_GTSV], medians["forward"][FLOOR]
-            case = []
-            for mode, times in medians.items():
-                jax_seconds = times.get(JAX_IMPL)
-                for impl, seconds in times.items():
-                    case.append(dict(
-                        impl=impl, mode=mode, n=n, dtype=dname, threads=threads, seconds=seconds,
-                        ns_per_unknown=seconds / n * 1e9,
-                        vs_gtsv=seconds / gtsv if mode == "forward" else None,
-                        vs_jax=seconds / jax_seconds if jax_seconds else None,
-                        floor_ns_per_unknown=floor / n * 1e9, affinity=cores,
-                        torch_threads=torch.get_num_threads()))
-            rows += case
-            recorder.add(case, f"{dname} {threads} thr n={n}")
+        for family in families:
+            for n in cases:
+                if recorder.done(dict(dtype=dname, threads=threads, busy=busy, family=family,
+                                      n=n)):
+                    continue
+                args = one_system_family(family, n, dtype)
+                medians, errors = {}, {}
+                for mode in _family_modes(family, modes, backward_families):
+                    fns = {}
+                    if mode == "forward":
+                        fns[RAW_GTSV] = _raw_gtsv(args)
+                        fns[FLOOR] = _floor_callable(args)
+                    fns[FINAL] = _torch_callable(tridiagonal_solve, args, mode)
+                    fns[FINAL_LAPACK] = _torch_callable(TORCH_IMPLS[FINAL_LAPACK], args, mode)
+                    if has_kernel:
+                        fns[LARGE_KERNEL] = _large_kernel_callable(args, mode)
+                    if has_jax:
+                        fns[JAX_IMPL] = _jax_callable(args, mode)
+                    fns, errors[mode] = _working(fns)
+                    medians[mode] = _time_interleaved(fns, min_time, repeats)
+                    medians[mode].update(dict.fromkeys(errors[mode]))
+                    log(f"  one system  {dname:8s} thr={threads} {load:5s} {family:21s} "
+                        f"n={n:>8d} {mode:8s} ns/unknown: "
+                        + "  ".join(f"{_short(impl)} "
+                                    + ("failed" if s is None else f"{s / n * 1e9:.1f}")
+                                    for impl, s in medians[mode].items()))
+                fallbacks = None
+                if has_kernel:
+                    with contextlib.suppress(Exception):
+                        fallbacks = int(compiled.solve_ex(*args[:3], args[3].unsqueeze(-1))[1])
+                gtsv, floor = medians["forward"].get(RAW_GTSV), medians["forward"].get(FLOOR)
+                case = []
+                for mode, times in medians.items():
+                    jax_seconds = times.get(JAX_IMPL)
+                    for impl, seconds in times.items():
+                        row = dict(
+                            impl=impl, mode=mode, family=family, n=n, dtype=dname,
+                            threads=threads, busy=busy, busy_core=busy_core, seconds=seconds,
+                            ns_per_unknown=None if seconds is None else seconds / n * 1e9,
+                            vs_gtsv=_quotient(seconds, gtsv) if mode == "forward" else None,
+                            vs_jax=_quotient(seconds, jax_seconds),
+                            floor_ns_per_unknown=None if floor is None else floor / n * 1e9,
+                            error=errors[mode].get(impl), kernel_min_n=min_n, affinity=cores,
+                            torch_threads=torch.get_num_threads())
+                        if impl == LARGE_KERNEL:
+                            row["kernel_fallbacks"] = fallbacks
+                        case.append(row)
+                rows += case
+                recorder.add(case, f"{dname} {threads} thr {load} {family} n={n}")
     return rows
 
 
-def format_one_system(rows) -> str:
-    """The rows of :func:`run_one_system` as a table: ns per unknown and the ratios."""
-    lines = [f"{'impl':36s} {'mode':8s} {'dtype':7s} {'thr':>3s} {'n':>8s} {'ns/unk':>7s} "
-             f"{'/gtsv':>6s} {'/jax':>6s} {'floor':>6s}"]
+def _number(value, spec: str, width: int) -> str:
+    return f"{'' if value is None else format(value, spec):>{width}s}"
+
+
+def format_one_system(rows, width=None) -> str:
+    """The rows of :func:`run_one_system` as a table (ns per unknown and the ratios), then a
+    summary of the final op's forward time over raw ``?gtsv``'s: per dtype, thread count and
+    condition the median and the largest over the families and sizes, and per family the median
+    over the sizes on one thread, quiet. Rows stored before the families count as ``dominant``,
+    quiet. At most ``width`` columns."""
+    rows = with_family_defaults(rows)
+    width = width or SUMMARY_WIDTH
+    lines = [f"{'impl':12s} {'mode':8s} {'dtype':7s} {'thr':>3s} {'load':5s} {'family':13s} "
+             f"{'n':>8s} {'ns/unk':>7s} {'/gtsv':>6s} {'/jax':>6s} {'floor':>6s}"]
     for r in rows:
-        gtsv = "" if r["vs_gtsv"] is None else f"{r['vs_gtsv']:.2f}"
-        jax = "" if r["vs_jax"] is None else f"{r['vs_jax']:.2f}"
-        lines.append(f"{_short(r['impl'])[:36]:36s} {r['mode']:8s} {r['dtype']:7s} "
-                     f"{r['threads']:>3d} "
-                     f"{r['n']:>8d} {r['ns_per_unknown']:7.2f} {gtsv:>6s} {jax:>6s} "
-                     f"{r['floor_ns_per_unknown']:6.2f}")
+        lines.append(f"{_short(r['impl'])[:12]:12s} {r['mode']:8s} {r['dtype']:7s} "
+                     f"{r['threads']:>3d} {_load_text(r['busy'], r.get('busy_core', 0)):5s} "
+                     f"{_family_text(r['family']):13s} {r['n']:>8d} "
+                     f"{_number(r.get('ns_per_unknown'), '.2f', 7)} "
+                     f"{_number(r.get('vs_gtsv'), '.2f', 6)} {_number(r.get('vs_jax'), '.2f', 6)} "
+                     f"{_number(r.get('floor_ns_per_unknown'), '.2f', 6)}")
+    if any(r["busy"] and r.get("busy_core", 0) is None for r in rows):
+        lines.append("busy*: a busy core was asked for, but none could be made busy (one core, "
+                     "or no os.sched_setaffinity)")
+    final = [r for r in rows if r["impl"] == FINAL and r["mode"] == "forward"
+             and r.get("vs_gtsv") is not None]
+    if not final:
+        return "\n".join(lines)
+    lines += [""] + textwrap.wrap(
+        "The final op as installed, forward, over raw ?gtsv timed in the same alternation "
+        "(below 1: faster), over the families and sizes:", width)
+    lines.append(f"{'dtype':7s} {'thr':>3s} {'load':5s} {'median':>6s} {'largest':>7s}  "
+                 "(family, n)")
+    groups = {}
+    for r in final:
+        groups.setdefault((r["dtype"], r["threads"], _load_text(r["busy"],
+                                                              r.get("busy_core", 0))), []).append(r)
+    for (dtype, threads, load), group in sorted(groups.items(), key=lambda item: (
+            item[0][0], item[0][1], item[0][2] != "quiet", item[0][2])):
+        worst = max(group, key=lambda r: r["vs_gtsv"])
+        median = statistics.median(r["vs_gtsv"] for r in group)
+        lines.append(f"{dtype:7s} {threads:>3d} {load:5s} {median:6.2f} {worst['vs_gtsv']:7.2f}  "
+                     f"({worst['family']}, n = {_compact(worst['n'])})")
+    quiet = [r for r in final if r["threads"] == 1 and not r["busy"]]
+    if quiet:
+        dtypes = sorted({r["dtype"] for r in quiet})
+        lines += ["", "One thread, quiet: the median over the sizes, per family"]
+        lines.append(f"{'family':21s}" + "".join(f" {d:>8s}" for d in dtypes))
+        for family in dict.fromkeys(r["family"] for r in quiet):
+            cells = []
+            for d in dtypes:
+                qs = [r["vs_gtsv"] for r in quiet if (r["family"], r["dtype"]) == (family, d)]
+                cells.append(_ratio_text(statistics.median(qs) if qs else None, 8))
+            lines.append(f"{family:21s}" + "".join(f" {c}" for c in cells))
     return "\n".join(lines)
 
 
 def _short(impl: str) -> str:
     """A short label of one of the final op's rows, for the log."""
     return {FINAL: "as installed", FINAL_LAPACK: "lapack", COMPILED_FINAL: "compiled",
-            RAW_GTSV: "gtsv", FLOOR: "floor", JAX_IMPL: "jax", SPECULATIVE: "speculative"}.get(
-        impl, impl)
+            RAW_GTSV: "gtsv", FLOOR: "floor", JAX_IMPL: "jax", LARGE_KERNEL: "large kernel",
+            SPECULATIVE: "speculative"}.get(impl, impl)
 
 
 def format_against_jax(rows) -> str:
-    """The rows of :func:`run_against_jax` as a table (at most ``SUMMARY_WIDTH`` columns)."""
+    """The rows of :func:`run_against_jax` as a table (at most ``SUMMARY_WIDTH`` columns). Rows
+    stored before the families count as ``dominant``, quiet."""
+    rows = with_family_defaults(rows)
     lines = textwrap.wrap(
         "Ours / JAX (interleaved medians; below 1: ours is faster). backward: our forward + "
         "backward against jax.grad, all four gradients. Each thread count in a process pinned to "
-        "that many cores. ours: the final op as installed (driver=None), on LAPACK "
-        "(driver='lapack'), compiled (torch.compile).", SUMMARY_WIDTH)
-    lines.append(f"{'dtype':8s} {'thr':>3s} {'xla':>3s} {'n':>8s} {'batch':>6s} {'mode':8s} "
-                 f"{'ours':12s} {'time':>10s} {'ratio':>6s} {'/eager':>6s}")
+        "that many cores; load: quiet, or busy (another process spinning on one core). ours: the "
+        "final op as installed (driver=None), on LAPACK (driver='lapack'), compiled "
+        "(torch.compile).", SUMMARY_WIDTH)
+    lines.append(f"{'dtype':7s} {'thr':>3s} {'xla':>3s} {'load':5s} {'family':13s} {'n':>6s} "
+                 f"{'batch':>6s} {'mode':8s} {'ours':12s} {'time':>8s} {'ratio':>6s} "
+                 f"{'/eager':>6s}")
     for r in rows:
         if r["impl"] != JAX_IMPL:
             eager = "" if r.get("vs_eager") is None else f"{r['vs_eager']:6.2f}"
-            lines.append(f"{r['dtype']:8s} {r['threads']:>3d} {str(r.get('xla_threads')):>3s} "
-                         f"{r['n']:>8d} {r['batch']:>6d} {r['mode']:8s} "
-                         f"{_short(r['impl'])[:12]:12s} {_time_text(r['seconds']):>10s} "
-                         f"{r['ratio']:6.2f} {eager:>6s}")
+            lines.append(f"{r['dtype']:7s} {r['threads']:>3d} {str(r.get('xla_threads')):>3s} "
+                         f"{_load_text(r['busy'], r.get('busy_core', 0)):5s} "
+                         f"{_family_text(r['family']):13s} {_compact(r['n']):>6s} "
+                         f"{r['batch']:>6d} {r['mode']:8s} "
+                         f"{_short(r['impl'])[:12]:12s} {_time_text(r['seconds']):>8s} "
+                         f"{_ratio_text(r.get('ratio'), 6)} {eager:>6s}")
+    if any(r["busy"] and r.get("busy_core", 0) is None for r in rows):
+        lines.append("busy*: a busy core was asked for, but none could be made busy (one core, "
+                     "or no os.sched_setaffinity)")
     return "\n".join(lines)
 
 
@@ -1627,9 +1980,11 @@ UNIT_FIELDS = {
     "torch_kernels": ("threads", "n", "batch"),
     "cliffs": ("kernel", "op", "threads", "batch", "n"),
     "routes": ("threads", "n", "batch", "mode"),
-    "against_jax": ("dtype", "threads", "n", "batch", "mode"),
-    "one_system": ("dtype", "threads", "n"),
+    "against_jax": ("dtype", "threads", "busy", "family", "n", "batch", "mode"),
+    "one_system": ("dtype", "threads", "busy", "family", "n"),
 }
+# A unit field that rows stored before it existed lack: its value in those rows.
+UNIT_DEFAULTS = dict(FAMILY_DEFAULTS)
 SUITE_NAMES = {"results": "main suite", "time_stepping": "time stepping",
                "compiled_kernel": "compiled kernel", "torch_kernels": "torch kernels",
                "cliffs": "cliffs", "routes": "routes", "against_jax": "against JAX",
@@ -1727,7 +2082,7 @@ class _Suite:
         self.started = time.perf_counter()
 
     def unit(self, row) -> tuple:
-        return tuple(row.get(f) for f in self.fields)
+        return tuple(row.get(f, UNIT_DEFAULTS.get(f)) for f in self.fields)
 
     def begin(self, units):
         self.plan = {self.unit(u) for u in units}
@@ -1878,10 +2233,22 @@ results file, interrupts and --merge:
   merged file's entries that this run does not write are kept, and so are its rows of cases
   this run does not measure. The rows of a run that did not finish are kept, not measured
   again, when this run has the same settings (--quick, --min-time, --repeats, --threads,
-  --no-compile, --no-jax, --no-cpp) on the same machine (CPU, cores, affinity, versions,
-  OMP/MKL/OPENBLAS/XLA variables). The same row: in the main suite, the same implementation,
-  mode, compiled or not, n, batch, dtype and thread count; in the other experiments, the
-  same case (its rows are timed together, in alternation).
+  --families, --busy, --no-compile, --no-jax, --no-cpp) on the same machine (CPU, cores,
+  affinity, versions, OMP/MKL/OPENBLAS/XLA variables). The same row: in the main suite, the
+  same implementation, mode, compiled or not, n, batch, dtype and thread count; in the other
+  experiments, the same case (its rows are timed together, in alternation; in the one-system
+  experiment and the comparison with JAX, the same family and condition, quiet or busy, too).
+
+matrix families and a busy core (--one-system-only, the comparison with JAX):
+  One system is each of --families: dominant and pivoting (random, with and without diagonal
+  dominance), poisson tridiag(-1, 2, -1), heat_r1 / heat_r1e2 / heat_r1e4 (an implicit heat
+  step I + r tridiag(-1, 2, -1)), scaled_rows (rows scaled from 1e-100 to 1e100; float32: 1e-30
+  to 1e30), nearly_singular_block and near_toeplitz tridiag(-1, 2.001, -1). Backward only for
+  dominant. A busy condition runs another process spinning on one core while the pinned
+  process measures: on 2 threads the last of its 2 cores, on 1 thread the last core the run
+  may use (on 2 cores: the other one). Estimated on a 2-core machine (one case of each size
+  timed): --one-system-only about 2 h at the default --min-time and --repeats, about 50 min
+  with --min-time 0.1 --repeats 4; --jax-only about as long.
 """
 
 
@@ -1938,12 +2305,46 @@ def _parser() -> argparse.ArgumentParser:
                              "LAPACK, and chapter 4's Function); with --merge, keep the rest")
     parser.add_argument("--one-system-only", action="store_true",
                         help="run only the experiment on one large system (run_one_system: raw "
-                             "?gtsv, the final op, JAX and the memory floor, interleaved, on 1 and "
-                             "2 threads); with --merge, keep the rest of the merged file")
+                             "?gtsv, the final op, the C++ kernel, JAX and the memory floor, "
+                             "interleaved, on 1 and 2 threads, for each matrix family of "
+                             "--families, quiet and with a busy core, see --busy); with --merge, "
+                             "keep the rest of the merged file")
+    parser.add_argument("--families", type=_families_option, metavar="F1,F2,...",
+                        help="comma-separated matrix families of the one-system experiment and of "
+                             "the single systems of the comparison with JAX (default: all, "
+                             f"{', '.join(FAMILIES)}; --quick: {','.join(QUICK_FAMILIES)})")
+    parser.add_argument("--busy", choices=tuple(BUSY_CHOICES),
+                        help="the conditions of the one-system experiment and of the comparison "
+                             "with JAX: quiet, busy (another process spinning on one core while "
+                             "they measure) or both (default: both; --quick: quiet)")
     parser.add_argument("--torch-kernels-only", action="store_true",
                         help="run only the experiment on the kernels in torch ops "
                              "(run_torch_kernels); with --merge, keep the rest of the merged file")
     return parser
+
+
+BUSY_CHOICES = {"quiet": (False,), "busy": (True,), "both": (False, True)}  # --busy
+
+
+def _families_option(text: str) -> tuple:
+    """``--families``'s value as a tuple of families."""
+    families = tuple(f.strip() for f in text.split(",") if f.strip())
+    try:
+        _check_families(families)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+    if not families:
+        raise argparse.ArgumentTypeError("no family named")
+    return families
+
+
+def _family_options(opts) -> dict:
+    """The families and conditions (``--families``, ``--busy``) of :func:`run_one_system` and
+    :func:`run_against_jax`: by default every family, quiet and busy; with ``--quick``
+    ``QUICK_FAMILIES``, quiet."""
+    families = opts.families or (QUICK_FAMILIES if opts.quick else FAMILIES)
+    busy = BUSY_CHOICES[opts.busy or ("quiet" if opts.quick else "both")]
+    return dict(families=families, busy=busy)
 
 
 def _timing(opts):
@@ -1979,10 +2380,11 @@ def _main_experiment(opts, report, key, run_experiment, quick_cases, quick_extra
 
 def _against_jax_options(opts) -> dict:
     """``_main_experiment``'s extra arguments of :func:`run_against_jax`: with ``--quick`` the
-    compiled rows at n = 100 only; none with ``--no-compile``."""
+    compiled rows at n = 100 only; none with ``--no-compile``; the families and conditions
+    (:func:`_family_options`)."""
     if opts.no_compile:
-        return dict(extra=dict(compiled_cases=()))
-    return dict(quick_extra=dict(compiled_cases=[(100, 0)]))
+        return dict(extra=dict(compiled_cases=(), **_family_options(opts)))
+    return dict(quick_extra=dict(compiled_cases=[(100, 0)]), extra=_family_options(opts))
 
 
 def _measure(opts, report) -> list:
@@ -1990,7 +2392,8 @@ def _measure(opts, report) -> list:
     only = [("compiled_only", "compiled_kernel", run_compiled_kernel, [(8, 16), (100, 0)], {}),
             ("cliffs_only", "cliffs", run_cliffs, [(16, 8), (8, 64)], {}),
             ("torch_kernels_only", "torch_kernels", run_torch_kernels, [(16, 4), (100, 0)], {}),
-            ("one_system_only", "one_system", run_one_system, [10**4], dict(threads="1,2")),
+            ("one_system_only", "one_system", run_one_system, [10**4],
+             dict(threads="1,2", extra=_family_options(opts))),
             ("routes_only", "routes", run_routes, [(100, 0), (8, 16)], dict(threads="1")),
             ("jax_only", "against_jax", run_against_jax, [(8, 16), (100, 0)],
              _against_jax_options(opts))]
