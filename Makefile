@@ -24,15 +24,15 @@ test: lint unit wheel-test nbval
 # book build and the rendered HTML) and `slow` (listed by name in tests/conftest.py: torch.compile
 # of most graphs and Inductor, every composition on every kernel, the factored solve on every kernel
 # and size, gradcheck at larger sizes, in complex128 and on every kernel, opcheck of every
-# registered op, the accuracy families, n = 1000 to 1e5 (the partitioned and speculative kernels at
-# their largest sizes), k = 3 columns on batches of the C++ kernel, the benchmark suites and
+# registered op, the accuracy families, n = 1000 to 1e5 (the partitioned kernel and the C++ pieces
+# kernel at their largest sizes), k = 3 columns on batches of the C++ kernel, the benchmark suites and
 # experiments, and every test that starts a fresh interpreter or kernel: the fuzz, the install,
 # wheel and deployment checks, the chapters run without the C++ kernel, the sixteen-byte lanes of
-# the speculative kernel, the route trace).
+# the pieces kernel, the route trace).
 # Every test module keeps fast tests where it has cheap ones: solve against the dense reference
 # (every dtype, batch and column count), gradients and gradcheck, factorization with every
-# transpose, validation and edge inputs on every kernel, the speculative kernel bit for bit
-# against ?gtsv up to n = 4099, and a few compiled graphs.
+# transpose, validation and edge inputs on every kernel, the pieces kernel against ?gtsv's error up
+# to n = 4099, and a few compiled graphs.
 # `make unit` (part of `make test`) runs everything, slow and book tests included.
 check: $(STAMP)
 	$(PY) -m pytest tests -q -m "not book and not slow"

@@ -150,7 +150,7 @@ SLOW_TESTS = {
     "test_install::test_without_extension_python_defines_the_schemas",  # the same fixture
     "test_install::test_without_extension_compile_and_gradcheck",  # the same fixture
     "test_install::test_cpp_library_works_without_the_python_package",  # a child process (4 s)
-    "test_speculative::test_sixteen_byte_lanes_match_lapack_too",  # a child pytest run (14-30 s)
+    "test_pieces::test_sixteen_byte_lanes_pass_the_same_tests",  # a child pytest run (20-25 s)
     # gloo process groups: 2 and 4 spawned ranks, each a fresh interpreter importing torch
     "test_sharding::test_dtensor_solve_and_factorization",  # one job per world size (10-20 s)
     "test_sharding::test_in_a_fresh_process_the_ops_fail_until_the_rules_are_registered",
@@ -201,13 +201,13 @@ SLOW_TESTS = {
     "test_partitioned_accuracy::test_merge_keeps_the_other_kernels",  # the benchmark twice (2-5 s)
     "test_partitioned_accuracy::test_forward_error_within_ten_times_lapack[*-3001-",  # (1 s)
     "test_partitioned_accuracy::test_singular_matrix_with_a_nan_column_raises[float32]",  # (1 s)
-    # the speculative kernel bit for bit against ?gtsv at n = 10007 and 100003 (5 s); the sizes
-    # around SPECULATIVE_MIN_N and 4099 stay in every family, dtype and column count (and its
-    # sixteen-byte lanes, in a child process, are with the subprocesses above)
-    "test_speculative::test_matches_lapack_bit_for_bit[*-10007-",
-    "test_speculative::test_matches_lapack_bit_for_bit[dominant-100003-",
-    "test_speculative::test_slowly_forgetting_matrices_match_lapack[*-100003-",  # (2 s)
-    "test_speculative::test_singular_raises_at_lapack_pivot[*-10007-",  # n = 4099 stays (2.5 s)
+    # the pieces kernel against ?gtsv's forward error at n = 10007 and 100003 (9 s: the
+    # references in longdouble are the cost); the sizes around PIECES_MIN_N and 4099 stay in
+    # every family, dtype and column count (and its sixteen-byte lanes, in a child process, are
+    # with the subprocesses above)
+    "test_pieces::test_within_ten_times_lapack[*-10007-",
+    "test_pieces::test_within_ten_times_lapack[*-100003-",
+    "test_pieces::test_small_batch_hands_back_only_the_bad_system[poisson-W-1-",  # 15 x 8e4 (3 s)
     "test_partitioned::test_zero_diagonal_needs_pivoting_at_every_step[1002-",  # 500 stays (2-3 s)
     # n = 1000 against a dense 1000 x 1000 solve, 12 cases (8 s); n = 23 to 100 stay
     "test_partitioned::test_matches_dense[one-1000-",

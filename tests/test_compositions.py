@@ -47,8 +47,8 @@ KERNEL_ENTRIES = {
     "partitioned": [(partitioned, "solve")],
 }
 # What driver=None runs on the CPU for one system (the spec of kernels.choose_driver): the C++
-# kernel, where it was built, for a real system of any size (from compiled.SPECULATIVE_MIN_N
-# unknowns its speculative solve) and for a complex one up to CPP_ONE_COMPLEX_SYSTEM_MAX_N
+# kernel, where it was built, for a real system of any size (from compiled.PIECES_MIN_N
+# unknowns its solve in pieces) and for a complex one up to CPP_ONE_COMPLEX_SYSTEM_MAX_N
 # unknowns; LAPACK for a larger complex one.
 AUTO_ONE_SMALL_SYSTEM = "cpp" if kernels.cpp_available() else "lapack"
 BIG = kernels.CPP_ONE_COMPLEX_SYSTEM_MAX_N + 1
@@ -313,8 +313,8 @@ def test_compiled_automatic_choice_follows_the_shapes(monkeypatch, dynamic):
     C++ kernel), then called with shapes that change the automatic choice (one complex system of
     n = 5000 or just above CPP_ONE_COMPLEX_SYSTEM_MAX_N: LAPACK; a batch of two such systems: the
     C++ kernel), it runs the kernel each shape gets: Dynamo guards on what the choice read. Real
-    systems run on the C++ kernel at every size (its speculative solve from
-    SPECULATIVE_MIN_N unknowns is inside the kernel): no shape changes their kernel."""
+    systems run on the C++ kernel at every size (its solve in pieces from
+    PIECES_MIN_N unknowns is inside the kernel): no shape changes their kernel."""
     require_cpp()
     spy = KernelSpy(monkeypatch)
     f = torch.compile(lambda l, d, u, b: tridiagonal_solve(l, d, u, b), backend="aot_eager",
@@ -375,7 +375,7 @@ def _factored_on(driver):
 
 
 # (path, driver, n): every driver, and driver=None on both sides of the C++ kernel's
-# SPECULATIVE_MIN_N (BIG is above it); the torch-op kernels on both sides of PARTITIONED_MIN_N.
+# PIECES_MIN_N (BIG is above it); the torch-op kernels on both sides of PARTITIONED_MIN_N.
 CHECKPOINTED = [("solve", "lapack", 5), ("solve", "cpp", 5), ("solve", "sequential", 5),
                 ("solve", "sequential", 100), ("solve", "partitioned", 5),
                 ("solve", "partitioned", 100), ("solve", None, 5), ("solve", None, BIG),

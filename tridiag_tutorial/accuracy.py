@@ -18,14 +18,13 @@ BEFORE:tridiag_tutorial/partitioned.py``, where git and that commit are there) a
 both with the machine's description; ``--quick`` runs a small sample. Chapter 15 renders the
 table.
 
-The same families measure the C++ kernel's speculative solve for one large system
-(``speculative``, where the C++ kernel is built): :func:`tridiag_tutorial.compiled.solve_ex`
-with ``speculative_min_n=0``, so that n = 1000 runs it as well as 1e5 (at n = 64 its pieces
-would be too short and it hands every system back). Its fallbacks are the systems it did not
-solve alone (a zero pivot or a value that is not finite sent the system to the sequential
-elimination, or a repair ran through a whole piece), as ``solve_ex`` counts them.
-``--kernels speculative --merge FILE`` measures it alone and adds it to an earlier file.
-Chapter 12 renders its rows.
+The same families, and the 1-D Poisson matrix ``tridiag(-1, 2, -1)`` and an implicit heat step
+``I + 1e4 tridiag(-1, 2, -1)`` besides, measure the C++ kernel's solve of one large system in
+pieces (``pieces``, where the C++ kernel is built): :func:`tridiag_tutorial.compiled.solve_ex`
+with ``pieces_min_n=0``, so that n = 1000 runs it as well as 1e5. Its fallbacks are the systems it
+handed to the sequential elimination (``?gtsv``'s operations), as ``solve_ex`` counts them.
+``--kernels pieces --merge FILE`` measures it alone and adds it to an earlier file. Chapter 12
+renders its rows.
 """
 
 from __future__ import annotations
@@ -54,9 +53,10 @@ SINGULAR_FAMILIES = ("zero_row", "half_row", "scaled_row", "rank1_block")
 SIZES = (64, 1000, 100_000)
 SYSTEMS = {64: 60, 1000: 20, 100_000: 2}  # per family, dtype and size
 QUICK_SYSTEMS = {64: 4, 1000: 2}
-SPECULATIVE_SYSTEMS = {1000: 20, 100_000: 2}  # sizes where the speculative solve runs
-QUICK_SPECULATIVE_SYSTEMS = {1000: 2}
-KERNELS = ("before", "after", "speculative")
+PIECES_SYSTEMS = {1000: 20, 100_000: 2}  # sizes where the C++ kernel solves one system in pieces
+QUICK_PIECES_SYSTEMS = {1000: 2}
+PIECES_FAMILIES = FAMILIES + ("poisson", "heat")
+KERNELS = ("before", "after", "pieces")
 BEFORE = "93bdc291639554c9d498c6a6c61db8788cd152a7"  # the last commit whose kernel had a check alone, no refinement
 SINGULAR_MAX_N = 1000  # singular families are measured up to this size
 SCALE_EXPONENT = {np.float32: 30, np.float64: 150}  # badly scaled rows: 10^U(-e, e)
@@ -76,6 +76,8 @@ def make(family: str, n: int, dtype, seed: int, row: int | None = None):
       ``10^(t_i + U(-1, 1))``, ``t_i`` going evenly from ``-e`` to ``e`` (or back) down the rows,
       ``e`` = 150 in float64 and 30 in float32 (where adjacent rows differ by more than a few
       decades, at n = 64, LAPACK's own error is often above 1e-2, and no ratio is taken);
+    - ``poisson``: ``tridiag(-1, 2, -1)``; ``heat``: ``I + 1e4 tridiag(-1, 2, -1)`` (an implicit
+      heat step), both with a random right-hand side;
     - ``zero_row``, ``half_row`` (row ``i + 1`` = row ``i`` / 2), ``scaled_row`` (row ``i + 1`` =
       ``-0.7`` row ``i``, rounded), ``rank1_block`` (a decoupled 2 x 2 block of rank 1): singular
       (``scaled_row`` up to round-off), the row ``i`` drawn at random unless ``row`` gives it.
@@ -104,6 +106,10 @@ def make(family: str, n: int, dtype, seed: int, row: int | None = None):
         last = a + m - 1
         diag[last] = lower[last - 1] * upper[last - 1] * f_prev / f  # the block's det is 0
         diag[last] *= 1 + 10.0 ** g.uniform(-15, -3) * (1 if g.random() < 0.5 else -1)
+    elif family == "poisson":
+        lower, diag, upper = -np.ones(n - 1), np.full(n, 2.0), -np.ones(n - 1)
+    elif family == "heat":
+        lower, diag, upper = np.full(n - 1, -1e4), np.full(n, 1 + 2e4), np.full(n - 1, -1e4)
     elif family == "badly_scaled_rows":
         e = SCALE_EXPONENT[dtype]
         ramp = np.linspace(-e, e, n) * (1 if g.random() < 0.5 else -1) + g.uniform(-1, 1, n)
@@ -178,17 +184,17 @@ def _kernel_solve(solve, system):
     return x.numpy(), bool(calls)
 
 
-def _speculative_solve(system):
-    """``(x, fell_back)`` of the C++ kernel's speculative solve on one system, from any size
-    (``speculative_min_n=0``); raises :class:`~tridiag_tutorial.SingularMatrixError`."""
-    x, fallbacks = compiled.solve_ex(*_torch(*system), speculative_min_n=0)
+def _pieces_solve(system):
+    """``(x, fell_back)`` of the C++ kernel's solve in pieces of one system, from any size
+    (``pieces_min_n=0``); raises :class:`~tridiag_tutorial.SingularMatrixError`."""
+    x, fallbacks = compiled.solve_ex(*_torch(*system), pieces_min_n=0)
     return x.numpy(), fallbacks > 0
 
 
 def measure(solve, families=FAMILIES, singular=SINGULAR_FAMILIES, systems=None, log=None,
             run=None):
     """Rows for ``solve`` (a partitioned kernel's ``solve``), or for ``run`` (``run(system)``
-    gives ``(x, fell_back)``, as :func:`_speculative_solve`): one per family, dtype and size, with
+    gives ``(x, fell_back)``, as :func:`_pieces_solve`): one per family, dtype and size, with
     ``median_ratio``, ``max_ratio`` (kernel error / LAPACK error where LAPACK's is below 1e-2),
     ``compared``, ``fallbacks``, ``raised``, ``max_lapack_error`` and every ``ratios`` (3
     significant digits); singular families with
@@ -278,7 +284,7 @@ def main(argv=None) -> dict:
                              "without refinement; '' for none)")
     parser.add_argument("--kernels", default=",".join(KERNELS),
                         help="which to measure, of " + ", ".join(KERNELS) + " (default: all; "
-                             "speculative only where the C++ kernel is built)")
+                             "pieces only where the C++ kernel is built)")
     parser.add_argument("--merge", help="start from this earlier results file (its other "
                                         "kernels' rows are kept)")
     args = parser.parse_args(argv)
@@ -295,19 +301,21 @@ def main(argv=None) -> dict:
         kernels["before"] = dict(run=None, solve=old.solve, systems=systems)
     if "after" in wanted:
         kernels["after"] = dict(run=None, solve=partitioned.solve, systems=systems)
-    if "speculative" in wanted and compiled.is_available():
-        kernels["speculative"] = dict(
-            run=_speculative_solve, solve=None,
-            systems=QUICK_SPECULATIVE_SYSTEMS if args.quick else SPECULATIVE_SYSTEMS)
+    if "pieces" in wanted and compiled.is_available():
+        kernels["pieces"] = dict(
+            run=_pieces_solve, solve=None, families=PIECES_FAMILIES,
+            systems=QUICK_PIECES_SYSTEMS if args.quick else PIECES_SYSTEMS)
     results = {"machine": machine_info(), "quick": args.quick,
                "block": partitioned.BLOCK, "kernels": {}}
     if args.merge:
         with open(args.merge) as f:
             results = json.load(f)
+        results["kernels"].pop("speculative", None)  # the C++ kernel's solve before the pieces
     for label, how in kernels.items():
         start = time.perf_counter()
         print(f"{label}:", file=sys.stderr)
-        rows = measure(how["solve"], systems=how["systems"], run=how["run"],
+        rows = measure(how["solve"], families=how.get("families", FAMILIES),
+                       systems=how["systems"], run=how["run"],
                        log=lambda s: print("  " + s, file=sys.stderr))
         results["kernels"][label] = dict(rows=rows, seconds=round(time.perf_counter() - start, 1),
                                          machine=machine_info())

@@ -16,16 +16,21 @@ chains of divisions, and blocks are spread over threads. Its results equal ``?gt
 bit, NaN included, and it reports a zero pivot exactly where ``?gtsv`` does
 (``tests/test_compiled.py`` checks both).
 
-One real system of ``n >= SPECULATIVE_MIN_N`` unknowns (or each of a batch smaller than a block)
-goes to the *speculative* kernel instead (:func:`solve_ex`, the op ``cpp_solve_ex``, takes that
-size as an argument and says how often it fell back). The rows are cut into pieces of about 2048, the
-pieces are eliminated side by side (8 chains in flight in double precision, 16 in single, in
-AVX2 registers where the CPU has them), each starting as if the rows above it changed nothing,
-and a short repair then runs the true elimination from the piece above until it computes the
-same bits as the speculative one, which happens after some tens of rows because elimination
-forgets where it started. The answer is ``?gtsv``'s bit for bit; a system whose repair never agrees is, in effect, solved
-sequentially, and one with a zero pivot or a value that is not finite is solved again by the
-sequential kernel (``tests/test_speculative.py``). :func:`solve_ex` tells how often.
+One real system of ``n >= PIECES_MIN_N`` unknowns (or each of a batch smaller than a block) goes
+to the *pieces* kernel instead (:func:`solve_ex`, the op ``cpp_solve_ex``, takes that size as an
+argument and says how often it handed a system back). The rows are cut into pieces of about 512;
+8 pieces (16 in single precision) are eliminated side by side, with partial pivoting inside each
+piece, together with two "spikes" (the pieces' couplings to their neighbours); a small banded
+system in the unknowns at the pieces' ends joins them, and each piece is solved again with its
+neighbours' values. One thread does it all. Its rounding differs from ``?gtsv``'s (it does not
+pivot across the ends of the pieces); on the families of ``python -m tridiag_tutorial.accuracy``
+its forward error stayed within 10 times LAPACK's. It hands the system to the sequential
+elimination, which is ``?gtsv``'s, where it cannot vouch for its answer: a zero or non-finite
+pivot in a piece, a step that cancels to rounding, a (nearly) zero pivot in the joining system, a
+value that is not finite, cancellation in a piece, or (decided after the first 8 pieces, once
+there are 64 or more) a coupling that decays too slowly across a piece, as in
+``tridiag(-1, 2, -1)``. So a singular system raises where ``?gtsv`` reports it, at its pivot
+(``tests/test_pieces.py``).
 
 :func:`solve` is the kernel as the package calls it: validated inputs of one batch shape
 (``(*B, n-1)``, ``(*B, n)``, ``(*B, n-1)``, ``rhs (*B, n, k)``), a new C-contiguous result, and
@@ -45,13 +50,14 @@ import torch
 
 from ._validation import SingularMatrixError
 
-__all__ = ["is_available", "library_path", "solve", "solve_ex", "solve_backward", "SPECULATIVE_MIN_N",
+__all__ = ["is_available", "library_path", "solve", "solve_ex", "solve_backward", "PIECES_MIN_N",
            "BUILD_ERROR", "repair_command"]
 
-# From this size on the speculative kernel measured faster than the sequential one (one thread,
-# float64: 0.96 of its time at n = 700, 0.76 at 1000, 0.6 at 1500 to 3000; float32 0.81 at 1000,
-# 0.54 at 1500). The C++ op cpp_solve uses the same number (kSpeculativeMinN in tridiag.cpp).
-SPECULATIVE_MIN_N = 1024
+# One real system of this size or more goes to the pieces kernel (the C++ op cpp_solve uses the
+# same number: kPiecesMinN in tridiag.cpp). The pieces kernel took less time than the sequential
+# elimination at every size tried from 384 up; from 1024 its pieces have 128 rows or more (64 in
+# single precision).
+PIECES_MIN_N = 1024
 
 #: Set to ``1`` before the package is imported to run as if the C++ kernel had not been built
 #: (every CPU solve on LAPACK): how the tests and the book check the package without it.
@@ -188,16 +194,15 @@ def solve(lower: torch.Tensor, diag: torch.Tensor, upper: torch.Tensor,
 
 
 def solve_ex(lower: torch.Tensor, diag: torch.Tensor, upper: torch.Tensor, rhs: torch.Tensor,
-             speculative_min_n: int = SPECULATIVE_MIN_N) -> tuple[torch.Tensor, int]:
+             pieces_min_n: int = PIECES_MIN_N) -> tuple[torch.Tensor, int]:
     """:func:`solve` with the size from which a real system (one, or each of a batch smaller than
-    a block) goes to the speculative kernel, and the number of such systems it did not solve
-    alone (a repair that went through a whole piece, or a system handed to the sequential
-    kernel): ``(x, fallbacks)``. ``speculative_min_n=0`` sends every such system there (pieces
-    too short to pay are handed back); a large value, none."""
+    a block) goes to the pieces kernel, and the number of such systems it handed to the
+    sequential kernel: ``(x, fallbacks)``. ``pieces_min_n=0`` sends every such system there
+    (pieces too short to pay are handed back); a large value, none."""
     if _C is None:
         raise RuntimeError(_missing_message())
     x, info, fallbacks = torch.ops.tridiag_tutorial.cpp_solve_ex.default(
-        lower, diag, upper, rhs, speculative_min_n)
+        lower, diag, upper, rhs, pieces_min_n)
     _raise_if_singular(info, diag)
     return x, int(fallbacks)
 

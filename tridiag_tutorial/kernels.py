@@ -58,7 +58,7 @@ def choose_driver(device_type: str, dtype: torch.dtype, batch: int, n: int, cpp:
 
     ``device_type`` is the tensors' ``device.type``, ``batch`` the number of systems, ``n`` their
     size and ``cpp`` whether the C++ kernel is installed. Of ``dtype`` only whether it is complex
-    counts: one large complex system has no speculative solve in the C++ kernel (see below).
+    counts: one large complex system has no solve in pieces in the C++ kernel (see below).
 
     - **CPU**: the C++ kernel, where installed, for every batch of two or more systems, for one
       real system of any size and for one complex system of ``n <= CPP_ONE_COMPLEX_SYSTEM_MAX_N``;
@@ -66,12 +66,15 @@ def choose_driver(device_type: str, dtype: torch.dtype, batch: int, n: int, cpp:
       tridiag_tutorial.benchmarks``, one thread, every dtype, one and four right-hand sides):
       0.17 to 1.02 of LAPACK's time on batches of 2 to 64 systems of n = 8 to 1000, 0.2 to 0.5 on
       batches of 1024 to 100000, 0.4 to 1.0 on one system of n <= 1000 (the fixed cost of the
-      call dominates). One real system of ``compiled.SPECULATIVE_MIN_N`` unknowns or more goes to
-      the kernel's speculative solve, which keeps many elimination chains of the one system in
-      flight: the op took 0.15 to 0.32 of raw ``?gtsv``'s time on one thread at n = 1e4 to 1e6
-      (``--one-system-only``; chapter 12). One complex system has no such solve: above 3000
-      unknowns the C++ kernel measured within 10% of LAPACK (0.9 to 1.0 of its time at
-      n = 1e4 and 1e5), so it stays on LAPACK.
+      call dominates). One real system of ``compiled.PIECES_MIN_N`` unknowns or more goes to the
+      kernel's solve in pieces, which eliminates many pieces of the one system side by side. On
+      the stored rows of ``--one-system-only`` (nine families of matrices, n = 4096, 1e5 and 1e6,
+      float32 and float64, one and two threads, quiet and with one core kept busy; AMD EPYC) the
+      op took 0.29 to 0.66 of raw ``?gtsv``'s time from n = 1e5 on, 0.69 to 0.80 at n = 4096
+      (the fixed cost of the call), and 1.01 to 1.08 on ``tridiag(-1, 2, -1)``, which the kernel
+      hands to its sequential elimination (chapter 12). One complex system has no such solve:
+      above 3000 unknowns the C++ kernel measured within 10% of LAPACK (0.9 to 1.0 of its time
+      at n = 1e4 and 1e5), so it stays on LAPACK.
     - **Every other device**: the partitioned kernel for ``n >= PARTITIONED_MIN_N``, the
       sequential one below. The sequential kernel dispatches about 37 operations per row, of which 7 are
       views (no kernel) and about 30 compute, each a kernel launch of several microseconds on a

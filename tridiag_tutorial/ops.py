@@ -359,7 +359,7 @@ def _cpp_solve_fake(lower, diag, upper, rhs):
     return rhs.new_empty(rhs.shape), rhs.new_empty((), dtype=torch.int64)
 
 
-def _cpp_solve_ex_fake(lower, diag, upper, rhs, speculative_min_n):
+def _cpp_solve_ex_fake(lower, diag, upper, rhs, pieces_min_n):
     """Fake kernel of ``cpp_solve_ex``: ``cpp_solve``'s and a 0-dim int64 fallback count."""
     x, info = _cpp_solve_fake(lower, diag, upper, rhs)
     return x, info, rhs.new_empty((), dtype=torch.int64)

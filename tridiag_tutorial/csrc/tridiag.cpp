@@ -8,7 +8,7 @@
 //   tridiag_tutorial::solve_kernel(... the same ...) -> x
 //   tridiag_tutorial::lu_factor(lower, diag, upper, driver) -> (lu, pivots)
 //   tridiag_tutorial::cpp_solve(lower, diag, upper, rhs) -> (x, info)
-//   tridiag_tutorial::cpp_solve_ex(lower, diag, upper, rhs, speculative_min_n) -> (x, info, fallbacks)
+//   tridiag_tutorial::cpp_solve_ex(lower, diag, upper, rhs, pieces_min_n) -> (x, info, fallbacks)
 //   tridiag_tutorial::cpp_solve_backward(lower, diag, upper, x, grad_x)
 //       -> (grad_lower, grad_diag, grad_upper, grad_rhs, info)
 //
@@ -18,8 +18,8 @@
 // registers runs without Python: cpp_solve's CPU kernel, and a CompositeExplicitAutograd kernel
 // for solve and solve_kernel, which is what a process that loads only this library (with
 // torch.ops.load_library, an AOTInductor package say) runs. There every solve without factors
-// runs on this file's kernel, which makes LAPACK ?gtsv's decisions bit for bit (the same
-// systems raise, a NaN stays in its own system); a solve from factors (lu given) and lu_factor
+// runs on this file's kernel, which raises for the systems ?gtsv reports singular, at its pivot
+// (a NaN stays in its own system); a solve from factors (lu given) and lu_factor
 // need the Python package and say so. In a process that imports tridiag_tutorial, the Python
 // kernels, registered for the CPU and GPU dispatch keys, take precedence over that composite one.
 //
@@ -35,7 +35,8 @@
 // into tridiag_tutorial.SingularMatrixError (a torch.linalg.LinAlgError with the pivot and the
 // batch index as attributes); the stable ABI cannot raise LinAlgError itself.
 //
-// The arithmetic is ?gtsv's, operation for operation: Gaussian elimination with partial pivoting
+// The arithmetic of the batched kernel is ?gtsv's, operation for operation: Gaussian elimination
+// with partial pivoting
 // (rows i and i+1 swap when |lower[i]| > |d[i]|, or when either magnitude is NaN, as the Fortran
 // test ABS(D(I)) .GE. ABS(DL(I)) fails; |re| + |im| for complex, zgtsv's CABS1), the fill-in of
 // the second superdiagonal after a swap, then back substitution. zgtsv skips a step whose
@@ -53,10 +54,11 @@
 // where one system's elimination is a single chain that waits for each division. Blocks are
 // distributed over threads with torch::stable::parallel_for (at::parallel_for underneath); the
 // last block is padded with identity systems. Fewer than W systems (one large system, say) use
-// the same code with W = 1, each system solved in place in the output, up to kSpeculativeMinN
-// unknowns; from there on a real system goes to the speculative kernel below, which cuts it into
-// pieces and eliminates the pieces side by side, with the same operations and so the same bits
-// (cpp_solve_ex takes that size as an argument).
+// the same code with W = 1, each system solved in place in the output, up to kPiecesMinN
+// unknowns; from there on a real system goes to the pieces kernel below, which cuts it into
+// pieces, eliminates them side by side and joins them through a small reduced system: its
+// rounding differs from ?gtsv's, and wherever it cannot vouch for its answer it hands the system
+// back to the W = 1 elimination (cpp_solve_ex takes that size as an argument).
 //
 // A system is reported exactly where ?gtsv returns INFO > 0: dgtsv/sgtsv check for a zero pivot
 // only in the step without interchange (d[i] = 0 with |d[i]| >= |lower[i]|) and at d[n-1]; the
@@ -85,9 +87,10 @@
 #include <optional>
 #include <string>
 #include <tuple>
+#include <utility>
 #include <vector>
 
-// 32-byte vector types (the speculative kernel's AVX2 lanes) pass through the inline helpers
+// 32-byte vector types (the pieces kernel's AVX2 lanes) pass through the inline helpers
 // below in code compiled for plain x86-64 too; GCC warns that their calling convention would
 // differ there, which matters only for functions called across translation units (none are).
 #if defined(__GNUC__) && !defined(__clang__)
@@ -454,31 +457,55 @@ void record_singular(std::atomic<int64_t>& first, int64_t code) {
 }
 
 // --------------------------------------------------------------------------------------------
-// One large real system: many elimination chains in flight, LAPACK's answer bit for bit.
+// One large real system: pieces eliminated side by side, spikes, a small reduced system.
 //
 // ?gtsv (and real_kernel_one) is one chain of dependent divisions: each step needs the pivot the
 // step before produced, so the CPU waits for every division and does little else. This kernel
-// cuts the rows into P pieces of m rows and eliminates W pieces side by side in SIMD registers
-// (their rows copied side by side, element i of the W pieces contiguous), each piece starting
-// from a guess: that the rows above it changed nothing (its first row as given). The guess is
-// wrong, but Gaussian elimination forgets its start: the state carried from row to row (the
-// row's diagonal, superdiagonal and right-hand side as modified by the steps above) depends on
-// the rows far above less and less, and after some tens of rows a chain started from the true
-// state computes the very same numbers, to the last bit, as the chain started from the guess.
-// So a repair runs the true chain from the end of the piece above (?gtsv's operations, scalar)
-// until its state equals the speculative one at a checkpoint (every kCheckpoint rows); from
-// there on, the speculative results are exact. The back substitution is done the same way,
-// upward: each piece from a guess of zero below it, then repaired from the true values below
-// until two consecutive values agree. Where a repair reaches the end of its piece without
-// agreeing, the next piece's repair starts again from the repaired state, so the worst case is
-// the sequential elimination itself (counted as a fallback).
+// cuts the rows into P pieces of m rows (P a multiple of the lanes W; rows past n are identity
+// rows with a zero right-hand side) and eliminates W pieces side by side in SIMD registers, in a
+// scratch of one tile (W pieces, element i of the W pieces contiguous) that stays in cache.
+// Piece q, rows s = q m .. s + m - 1, couples to the rest through a = A[s, s-1] and
+// c = A[s+m-1, s+m] only:
 //
-// Every number is the result of the same operations on the same operands as in ?gtsv (the
-// arithmetic of real_kernel, which matches it bit for bit), so the answer is ?gtsv's: the same
-// accuracy, the same pivots. A zero pivot anywhere (a singular matrix, or a spurious one in a
-// speculative row) and any non-finite answer hand the system to real_kernel_one, which reports
-// ?gtsv's INFO and produces its NaNs.
+//   A_q x_q = f_q - a e_1 x[s-1] - c e_m x[s+m]
+//
+// 1. Each piece (load, eliminate, substitute): Gaussian elimination with partial pivoting inside
+//    the piece (real_kernel's steps, keeping the pivots) on k + 2 right-hand sides,
+//    f_q and the spikes' a e_1 and c e_m, and back substitution: y = A_q^{-1} f_q,
+//    v = A_q^{-1} a e_1, w = A_q^{-1} c e_m. Kept: their first and last rows, and the largest
+//    magnitude of each column.
+// 2. The reduced system (reduced_solve): the last unknown of piece q, b_q = x[s+m-1], and the
+//    first of piece q + 1, t_{q+1} = x[s+m], for q < P - 1, from those kept rows:
+//      b_q     + v_q[m-1] b_{q-1} + w_q[m-1] t_{q+1} = y_q[m-1]
+//      t_{q+1} + v_{q+1}[0] b_q   + w_{q+1}[0] t_{q+2} = y_{q+1}[0]
+//    2 (P - 1) unknowns in a band two wide on each side: banded elimination with partial pivoting.
+// 3. Each piece again, its neighbours' values moved to the right-hand side: the same elimination
+//    on the caller's k columns, the whole back substitution, into X.
+//
+// About twice ?gtsv's arithmetic, in W independent chains (8 doubles or 16 floats a tile) where
+// ?gtsv has one. The memory it takes besides X is a tile's scratch and a few values a piece,
+// allocated for the call. One thread: a second one would need a join between steps 1 and 3,
+// which stalls whenever another process keeps a core busy.
+//
+// It does not make ?gtsv's pivot decisions across the pieces' boundaries, so its rounding
+// differs from ?gtsv's. Where it cannot vouch for its answer it returns -1, and the caller
+// solves the system with real_kernel_one (?gtsv's operations, its INFO, its NaNs):
+// - a zero pivot in a piece (A singular, or a piece singular where A is not);
+// - a zero pivot in the reduced system, or one below kTinyPivot eps times its row's largest
+//   entry (a singular A whose zero pivot the reduced system meets as rounding);
+// - a value that is not finite;
+// - cancellation: a piece whose answer is more than kCancellation times smaller than the terms
+//   it is made of (max|y| + max|v| |x[s-1]| + max|w| |x[s+m]|, each column), where a nearly
+//   singular piece would have amplified its rounding errors.
 // --------------------------------------------------------------------------------------------
+// GCC's __builtin_shuffle, for the transposes of the loads and stores (elsewhere: element by
+// element).
+#if defined(__GNUC__) && !defined(__clang__)
+#define TT_HAVE_SHUFFLE 1
+#else
+#define TT_HAVE_SHUFFLE 0
+#endif
+
 typedef double v4d __attribute__((vector_size(32)));
 typedef float v8f __attribute__((vector_size(32)));
 typedef int64_t v4l __attribute__((vector_size(32)));
@@ -490,498 +517,484 @@ template <>
 struct Lane<v2d> {
   using R = double;
   using I = v2l;
+  using E = int64_t;
   static constexpr int64_t kMag = INT64_MAX;
 };
 template <>
 struct Lane<v4f> {
   using R = float;
   using I = v4i;
+  using E = int32_t;
   static constexpr int32_t kMag = INT32_MAX;
 };
 template <>
 struct Lane<v4d> {
   using R = double;
   using I = v4l;
+  using E = int64_t;
   static constexpr int64_t kMag = INT64_MAX;
 };
 template <>
 struct Lane<v8f> {
   using R = float;
   using I = v8i;
+  using E = int32_t;
   static constexpr int32_t kMag = INT32_MAX;
 };
 
-// cpp_solve sends a real system of kSpeculativeMinN unknowns or more (one, or each of fewer than
-// W) to the speculative kernel: from there on it measured faster than the sequential kernel
-// (compiled.SPECULATIVE_MIN_N is the same number). cpp_solve_ex takes the size as an argument.
-constexpr int64_t kSpeculativeMinN = 1024;
-constexpr int64_t kPieceRows = 2048;
-        // the target m (measured, one thread, AMD EPYC: 2048 rows took 0.89 to 0.94 of the time
-        // of 1024 in float64 at n = 3e4 to 1e6, 0.91 to 0.96 in float32; 4096 no better but at
-        // n = 1e6 in float32, with twice the tile scratch)
-constexpr int64_t kMinPieceRows = 256;     // the least m when pieces are cut smaller for threads
-constexpr int64_t kRepairGrain = 32;
-        // pieces a thread repairs at least: a repair takes tens of rows, well under a
-        // microsecond, and waking a second thread several (measured: grain 8 made two threads
-        // slower than one below n = 1e4)
-constexpr int64_t kCheckpoint = 8;
-        // rows between two checkpoints of the forward state
-constexpr int64_t kEdge = 64;
-        // rows kept of each end of a piece (the repairs' reach) when pieces have 4 kEdge or more
+// cpp_solve sends a real system of kPiecesMinN unknowns or more (one, or each of fewer than W
+// systems) to this kernel (compiled.PIECES_MIN_N is the same number); cpp_solve_ex takes the
+// size as an argument.
+constexpr int64_t kPiecesMinN = 1024;
+constexpr int64_t kPieceRows = 512;   // the target m: a tile's scratch stays in the L2 cache
+constexpr int64_t kMinPieceRows = 8;  // below this the system is not cut
+constexpr double kTinyPivot = 16;
+constexpr double kCancellation = 1e3;
+constexpr int64_t kProbeTiles = 8;       // from this many tiles on, the first one decides early
+constexpr double kAmplification = 1e3;  // (see run_pieces)
+constexpr int kWideVectors = 2;  // 32-byte vectors a tile (AVX2): W = 8 doubles, 16 floats
 
-// One system (n rows, k right-hand sides; L, U n-1 and D n reals, B and X n x k row-major) and
-// the workspace of its pieces, in the side-by-side layout: piece q's row i at
-// ((q / W * kept + row(i)) * W + q % W) (times k, plus column j, for b and x).
-// The workspace keeps every row of each piece (edge = kept = m), or only its first and last
-// `edge` rows (kept = 2 edge): the repairs work near the ends of the pieces, and the rows between
-// go from a tile-sized scratch, in cache, straight to X.
+// One system: L, U n-1 and D n reals, B n x k row-major. Row r's entries, identity rows past n.
 template <typename R>
-struct Spec {
+struct System {
   const R *L, *D, *U, *B;
-  R* X;
-  int64_t n, k, m, P, W;
-  int64_t edge = 0, kept = 0;
-  R *d = nullptr, *du = nullptr, *dl = nullptr, *b = nullptr, *x = nullptr;
-  R* ck = nullptr;    // checkpoints [P / W][m / kCheckpoint + 1][2 + k][W]
-  R* ends = nullptr;  // [P][2 + k]: each piece's state at its last row, speculative
-
-  bool compact() const { return kept < m; }
-  int64_t row(int64_t i) const { return i < edge ? i : i - (m - kept); }
-  int64_t at(int64_t q, int64_t i) const { return (q / W * kept + row(i)) * W + q % W; }
-  int64_t atb(int64_t q, int64_t i, int64_t j) const {
-    return ((q / W * kept + row(i)) * k + j) * W + q % W;
-  }
-  int64_t checkpoints() const { return m / kCheckpoint + 1; }
-  // Row r of A (identity rows past n): its diagonal, its entry right of the diagonal, the entry
-  // below its diagonal (A[r+1, r]) and its right-hand side.
+  int64_t n, k;
   R Dr(int64_t r) const { return r < n ? D[r] : R(1); }
-  R Ur(int64_t r) const { return r + 1 < n ? U[r] : R(0); }
-  R Lr(int64_t r) const { return r + 1 < n ? L[r] : R(0); }
+  R Ur(int64_t r) const { return r + 1 < n ? U[r] : R(0); }  // A[r, r+1]
+  R Lr(int64_t r) const { return r + 1 < n ? L[r] : R(0); }  // A[r+1, r]
   R Br(int64_t r, int64_t j) const { return r < n ? B[r * k + j] : R(0); }
 };
 
-// The rows of one tile (W pieces side by side) while it is eliminated: in the workspace itself,
-// or in a scratch that the next tile of the same thread reuses.
+// The rows of a tile's W pieces side by side: d, du, fl (A[i+1, i] in, the fill-in U[i, i+2]
+// out), pv (the pivots), b ([m][K][W]: the right-hand sides in, x out).
 template <typename R>
 struct TileRows {
-  R *d, *du, *dl, *b, *x;
+  R *d, *du, *fl, *pv, *b, *c;  // c: [W], the spikes' c
 };
-constexpr int kZeroPivot = 1, kNotFinite = 2;
-
-// A compact workspace: the first and last `edge` rows of tile t's pieces, from its scratch.
-template <typename R>
-void keep_edges(const Spec<R>& s, int64_t t, const TileRows<R>& rows) {
-  R* const to[5] = {s.d, s.du, s.dl, s.b, s.x};
-  const R* const from[5] = {rows.d, rows.du, rows.dl, rows.b, rows.x};
-  for (int a = 0; a < 5; ++a) {
-    const int64_t row = (a < 3 ? 1 : s.k) * s.W;  // reals per row of the tile
-    R* base = to[a] + t * s.kept * row;
-    std::memcpy(base, from[a], sizeof(R) * s.edge * row);
-    std::memcpy(base + s.edge * row, from[a] + (s.m - s.edge) * row, sizeof(R) * s.edge * row);
-  }
-}
-
-// GCC's __builtin_shuffle, for the transposes of the gather (elsewhere: element by element).
-#if defined(__GNUC__) && !defined(__clang__)
-#define TT_HAVE_SHUFFLE 1
-#else
-#define TT_HAVE_SHUFFLE 0
-#endif
 
 template <typename V, int NV>
-struct SpecTile {
+struct PieceTile {
   using R = typename Lane<V>::R;
   using I = typename Lane<V>::I;
   static constexpr int VL = static_cast<int>(sizeof(V) / sizeof(R));
   static constexpr int W = NV * VL;
+  static constexpr int NVEC = NV;
 
   static TT_INLINE V vabs(V x) { return (V)((I)x & (I{} + Lane<V>::kMag)); }
 
 #if TT_HAVE_SHUFFLE
-  // One round of a VL x VL transpose: rows a and a + H exchange their blocks of H elements.
+  // v[r][j] <- v[j][r] (VL vectors of VL lanes): log2(VL) butterfly stages of two-vector
+  // shuffles (unpacks and lane permutes), VL log2(VL) shuffles in all.
+  template <int H, std::size_t... J>
+  static constexpr I low_mask(std::index_sequence<J...>) {
+    return I{static_cast<typename Lane<V>::E>((J & H) == 0 ? J : VL + J - H)...};
+  }
+  template <int H, std::size_t... J>
+  static constexpr I high_mask(std::index_sequence<J...>) {
+    return I{static_cast<typename Lane<V>::E>((J & H) == 0 ? J + H : VL + J)...};
+  }
   template <int H>
-  static TT_INLINE void transpose_round(V* r) {
-    I lo, hi;
-    for (int p = 0; p < VL; ++p) {
-      lo[p] = (p & H) == 0 ? p : VL + p - H;
-      hi[p] = (p & H) == 0 ? p + H : VL + p;
-    }
-    for (int a = 0; a < VL; ++a) {
-      if (a & H) continue;
-      const V x = r[a], y = r[a + H];
-      r[a] = __builtin_shuffle(x, y, lo);
-      r[a + H] = __builtin_shuffle(x, y, hi);
+  static TT_INLINE void stage(V* v) {
+    constexpr I lo = low_mask<H>(std::make_index_sequence<VL>{});
+    constexpr I hi = high_mask<H>(std::make_index_sequence<VL>{});
+    for (int r = 0; r < VL; ++r) {
+      if (r & H) continue;
+      const V x = v[r], y = v[r + H];
+      v[r] = __builtin_shuffle(x, y, lo);
+      v[r + H] = __builtin_shuffle(x, y, hi);
     }
   }
-
-  // Rows i .. i + VL - 1 of VL pieces (src[c]: piece c's first row) to dst, side by side (row
-  // i + j at dst + j W): loaded a vector a piece, transposed in registers, stored a vector a
-  // row, where a copy element by element takes a store for each.
-  static TT_INLINE void transpose_in(const R* const* src, int64_t i, R* dst) {
-    V r[VL];
-    for (int c = 0; c < VL; ++c) r[c] = ld<V>(src[c] + i);
-    if constexpr (VL >= 2) transpose_round<1>(r);
-    if constexpr (VL >= 4) transpose_round<2>(r);
-    if constexpr (VL >= 8) transpose_round<4>(r);
-    for (int j = 0; j < VL; ++j) st(dst + j * W, r[j]);
-  }
-
-  // The way back: rows i .. i + VL - 1 of VL pieces side by side (src: row i, the first of the
-  // VL lanes) to each piece's own rows (dst[c] + i), by the same transposes.
-  static TT_INLINE void transpose_out(const R* src, int64_t i, R* const* dst) {
-    V r[VL];
-    for (int j = 0; j < VL; ++j) r[j] = ld<V>(src + j * W);
-    if constexpr (VL >= 2) transpose_round<1>(r);
-    if constexpr (VL >= 4) transpose_round<2>(r);
-    if constexpr (VL >= 8) transpose_round<4>(r);
-    for (int c = 0; c < VL; ++c) st(dst[c] + i, r[c]);
+  static TT_INLINE void transpose(V* v) {
+    stage<1>(v);
+    if constexpr (VL > 2) stage<2>(v);
+    if constexpr (VL > 4) stage<4>(v);
   }
 #endif
 
-  // Rows of the W pieces of tile t side by side, then each piece eliminated from its own first
-  // row (?gtsv's forward steps, a select for the interchange), with checkpoints of the state.
-  // Returns whether a step met a zero pivot.
-  static TT_INLINE bool forward(const Spec<R>& s, int64_t t, const TileRows<R>& rows) {
-    const int64_t m = s.m, k = s.k, first = t * W * m, C = s.checkpoints();
-    R* d = rows.d;
-    R* du = rows.du;
-    R* dl = rows.dl;
-    R* b = rows.b;
-    R* ck = s.ck + t * C * (2 + k) * W;
-    // Row i of the W pieces side by side. The copy goes a block of rows at a time, one piece
-    // after another: W pieces read row by row at once are 4 W streams of memory, more than the
-    // hardware prefetchers follow (measured: 3 times slower at n = 1e6).
-    constexpr int64_t kBlock = 64;
-    const V zero{};
-    const V one = zero + R(1);
-    V bad[NV], sa[NV], sc[NV], sb[NV];  // sa, sc, sb: the state carried down (k = 1: sb)
-    for (int o = 0; o < NV; ++o) bad[o] = sa[o] = sc[o] = sb[o] = zero;
-    for (int64_t i0 = 0; i0 < m; i0 += kBlock) {
-      const int64_t i1 = std::min(m, i0 + kBlock);
-      // Rows [i0, i1) of piece w and the row after them lie inside A when first + w m + i1 < n:
-      // those are read as they are; the rows of the last piece near the end of A through
-      // s.Dr and its kind (identity rows past n). The pieces of a group of VL whose rows all
-      // lie inside are copied by transposes, rows [i0, iv).
-      const int64_t iv = i0 + (i1 - i0) / VL * VL;
-      bool transposed[NV];
-      for (int g = 0; g < NV; ++g) transposed[g] = false;
+  // Rows i0 .. i0 + VL - 1 of VL pieces (src + w * m: piece w's first row) into the lanes of
+  // VL vectors at dst (row r: dst + r * W), and back.
+  // (row r of the lanes: at r * stride).
+  static TT_INLINE void gather(const R* src, int64_t m, int64_t i0, R* dst, int64_t stride) {
 #if TT_HAVE_SHUFFLE
-      for (int g = 0; g < NV; ++g) {
-        if (first + (g * VL + VL - 1) * m + i1 >= s.n) continue;
-        transposed[g] = true;
-        const R *Dp[VL], *Up[VL], *Lp[VL], *Bp[VL];
-        for (int c = 0; c < VL; ++c) {
-          const int64_t r0 = first + (g * VL + c) * m;
-          Dp[c] = s.D + r0;
-          Up[c] = s.U + r0;
-          Lp[c] = s.L + r0;
-          Bp[c] = s.B + r0;
-        }
-        for (int64_t i = i0; i < iv; i += VL) {
-          transpose_in(Dp, i, d + i * W + g * VL);
-          transpose_in(Up, i, du + i * W + g * VL);
-          transpose_in(Lp, i, dl + i * W + g * VL);
-          if (k == 1) transpose_in(Bp, i, b + i * W + g * VL);
-        }
-      }
+    V v[VL];
+    for (int w = 0; w < VL; ++w) v[w] = ld<V>(src + w * m + i0);
+    transpose(v);
+    for (int r = 0; r < VL; ++r) st(dst + r * stride, v[r]);
+#else
+    for (int r = 0; r < VL; ++r) {
+      V v;
+      for (int w = 0; w < VL; ++w) v[w] = src[w * m + i0 + r];
+      st(dst + r * stride, v);
+    }
 #endif
-      for (int w = 0; w < W; ++w) {
-        const int64_t r0 = first + w * m;
-        if (r0 + i1 < s.n) {
-          const R* D = s.D + r0;
-          const R* U = s.U + r0;
-          const R* L = s.L + r0;
-          // The block after next of this piece, while this one is copied (measured at n = 1e6:
-          // two blocks ahead 0.55 of ?gtsv's time, one block 0.58, three 0.6 to 0.7).
-          const int64_t ahead = std::min(m, i1 + 2 * kBlock);
-          for (int64_t i = i1 + kBlock; i < ahead; i += 64 / static_cast<int64_t>(sizeof(R))) {
-            __builtin_prefetch(D + i);
-            __builtin_prefetch(U + i);
-            __builtin_prefetch(L + i);
-            __builtin_prefetch(s.B + r0 * k + i * k);
-          }
-          const int64_t from = transposed[w / VL] ? iv : i0;
-          for (int64_t i = from; i < i1; ++i) d[i * W + w] = D[i];
-          for (int64_t i = from; i < i1; ++i) du[i * W + w] = U[i];
-          for (int64_t i = from; i < i1; ++i) dl[i * W + w] = L[i];
-          if (k == 1) {
-            const R* Bp = s.B + r0;
-            for (int64_t i = from; i < i1; ++i) b[i * W + w] = Bp[i];
-            continue;
-          }
-        } else {
-          for (int64_t i = i0; i < i1; ++i) {
-            d[i * W + w] = s.Dr(r0 + i);
-            du[i * W + w] = s.Ur(r0 + i);
-            dl[i * W + w] = s.Lr(r0 + i);
-          }
-        }
-        for (int64_t i = i0; i < i1; ++i) {
-          for (int64_t j = 0; j < k; ++j) b[(i * k + j) * W + w] = s.Br(r0 + i, j);
-        }
-      }
-      // The steps whose two rows are in: (i, i + 1) for i + 1 < i1, while the block is in cache.
-      // The state carried down (row i's diagonal and superdiagonal) stays in registers.
-      for (int64_t i = std::max<int64_t>(0, i0 - 1); i + 1 < i1; ++i) {
-        if (i == 0) {
-          for (int o = 0; o < NV; ++o) {
-            sa[o] = ld<V>(d + o * VL);
-            sc[o] = ld<V>(du + o * VL);
-            sb[o] = ld<V>(b + o * VL);
-          }
-        }
-        if (i % kCheckpoint == 0) {
-          R* c = ck + (i / kCheckpoint) * (2 + k) * W;
-          for (int o = 0; o < NV; ++o) {
-            st(c + o * VL, sa[o]);
-            st(c + W + o * VL, sc[o]);
-            if (k == 1) st(c + 2 * W + o * VL, sb[o]);
-          }
-          if (k != 1) std::memcpy(c + 2 * W, b + i * k * W, sizeof(R) * k * W);
-        }
-        for (int o = 0; o < NV; ++o) {
-          R* d0 = d + i * W + o * VL;
-          R* u0 = du + i * W + o * VL;
-          R* l0 = dl + i * W + o * VL;
-          const V a = sa[o], c = sc[o], l = ld<V>(l0), e = ld<V>(d0 + W), g = ld<V>(u0 + W);
-          const auto sw = (vabs(a) >= vabs(l)) == 0;  // interchange (also on NaN, as in dgtsv)
-          const V p = sw ? l : a;
-          const V f = (sw ? a : l) / p;
-          st(d0, p);
-          st(u0, sw ? e : c);
-          st(l0, sw ? g : zero);
-          sa[o] = (sw ? c : e) - f * (sw ? e : c);
-          sc[o] = sw ? -(f * g) : g;
-          bad[o] = ((sw == 0) & (a == zero)) ? one : bad[o];
-          if (k == 1) {  // one right-hand side: its state in a register too
-            const V x0 = sb[o], x1 = ld<V>(b + (i + 1) * W + o * VL);
-            const V q = sw ? x1 : x0;
-            st(b + i * W + o * VL, q);
-            sb[o] = (sw ? x0 : x1) - f * q;
-            continue;
-          }
-          for (int64_t j = 0; j < k; ++j) {
-            R* b0 = b + (i * k + j) * W + o * VL;
-            R* b1 = b0 + k * W;
-            const V x0 = ld<V>(b0), x1 = ld<V>(b1);
-            const V q = sw ? x1 : x0;
-            st(b0, q);
-            st(b1, (sw ? x0 : x1) - f * q);
-          }
-        }
-      }
+  }
+  static TT_INLINE void scatter(const R* src, int64_t stride, int64_t m, int64_t i0, R* dst) {
+#if TT_HAVE_SHUFFLE
+    V v[VL];
+    for (int r = 0; r < VL; ++r) v[r] = ld<V>(src + r * stride);
+    transpose(v);
+    for (int w = 0; w < VL; ++w) st(dst + w * m + i0, v[w]);
+#else
+    for (int r = 0; r < VL; ++r) {
+      const V v = ld<V>(src + r * stride);
+      for (int w = 0; w < VL; ++w) dst[w * m + i0 + r] = v[w];
     }
-    for (int o = 0; o < NV; ++o) {  // the last row's state: its pivot row
-      st(d + (m - 1) * W + o * VL, sa[o]);
-      st(du + (m - 1) * W + o * VL, sc[o]);
-      if (k == 1) st(b + (m - 1) * W + o * VL, sb[o]);
-    }
-    for (int w = 0; w < W; ++w) {  // each piece's state at its last row
-      R* e = s.ends + (t * W + w) * (2 + k);
-      e[0] = d[(m - 1) * W + w];
-      e[1] = du[(m - 1) * W + w];
-      for (int64_t j = 0; j < k; ++j) e[2 + j] = b[((m - 1) * k + j) * W + w];
-    }
-    bool any = false;
-    for (int o = 0; o < NV; ++o) {
-      for (int v = 0; v < VL; ++v) any |= bad[o][v] != R(0);
-    }
-    return any;
+#endif
   }
 
-  // Back substitution of the W pieces of tile t, each from a guess of zero below it, into x.
-  static TT_INLINE void backward(const Spec<R>& s, const TileRows<R>& rows) {
-    const int64_t m = s.m, k = s.k;
-    const R* d = rows.d;
-    const R* du = rows.du;
-    const R* dl = rows.dl;
-    const R* b = rows.b;
-    R* x = rows.x;
-    constexpr int kCols = 2;
-    for (int64_t j0 = 0; j0 < k; j0 += kCols) {
-      const int nc = static_cast<int>(std::min<int64_t>(kCols, k - j0));
-      V xa[kCols][NV], xb[kCols][NV];  // x[i+1], x[i+2]
-      for (int c = 0; c < nc; ++c) {
-        for (int o = 0; o < NV; ++o) xa[c][o] = xb[c][o] = V{};
-      }
-      for (int64_t i = m - 1; i >= 0; --i) {
-        for (int o = 0; o < NV; ++o) {
-          const int64_t e = i * W + o * VL;
-          const V dd = ld<V>(d + e), uu = ld<V>(du + e), ll = ld<V>(dl + e);
-          for (int c = 0; c < nc; ++c) {
-            const int64_t eb = (i * k + j0 + c) * W + o * VL;
-            const V v = ((ld<V>(b + eb) - uu * xa[c][o]) - ll * xb[c][o]) / dd;
-            st(x + eb, v);
-            xb[c][o] = xa[c][o];
-            xa[c][o] = v;
-          }
-        }
-      }
-    }
-  }
-
-  // Rows [from, to) of the W pieces of tile t into X, from x, which holds the pieces' rows
-  // side by side from row x0 on (x0 <= from); false where one of their values is not finite.
-  static TT_INLINE bool scatter(const Spec<R>& s, int64_t t, const R* x, int64_t x0,
-                                int64_t from, int64_t to) {
-    const int64_t m = s.m, k = s.k, first = t * W * m;
-    V finite[NV];  // stay 0 where every value is finite (inf - inf and NaN are NaN)
-    for (int o = 0; o < NV; ++o) finite[o] = V{};
-    for (int64_t e = (from - x0) * k * W; e < (to - x0) * k * W; e += W) {
+  // Tile t's pieces into s: bands, the caller's k columns, and (spikes) two more columns,
+  // a e_1 and c e_m. K: the columns of s.b.
+  static TT_INLINE void load(const System<R>& A, int64_t m, int64_t t, int64_t K, bool spikes,
+                             const TileRows<R>& s) {
+    const int64_t k = A.k, first = t * W * m;
+    if (first + W * m < A.n) {
+      // Every row of the tile and its coupling below inside the system: VL rows of VL pieces
+      // at a time, transposed into the lanes (m is a multiple of VL).
       for (int o = 0; o < NV; ++o) {
-        const V v = ld<V>(x + e + o * VL);
-        finite[o] += v - v;
-      }
-    }
-    int hi = W;  // lanes whose piece lies inside A
-    while (hi > 0 && first + hi * m > s.n) --hi;
-    constexpr int64_t kBlock = 64;  // a block of rows at a time, as in forward
-    for (int64_t i0 = from; i0 < to; i0 += kBlock) {
-      const int64_t i1 = std::min(to, i0 + kBlock);
-      const int64_t iv = i0 + (i1 - i0) / VL * VL;  // rows [i0, iv): by transposes, k = 1
-      bool transposed[NV];
-      for (int g = 0; g < NV; ++g) transposed[g] = false;
-#if TT_HAVE_SHUFFLE
-      for (int g = 0; g < NV && k == 1; ++g) {
-        if ((g + 1) * VL > hi) break;
-        transposed[g] = true;
-        R* Xp[VL];
-        for (int c = 0; c < VL; ++c) Xp[c] = s.X + first + (g * VL + c) * m;
-        for (int64_t i = i0; i < iv; i += VL) transpose_out(x + (i - x0) * W + g * VL, i, Xp);
-      }
-#endif
-      for (int w = 0; w < W; ++w) {
-        const int64_t r0 = first + w * m;
-        if (w < hi && k == 1) {
-          R* Xp = s.X + r0;
-          for (int64_t i = transposed[w / VL] ? iv : i0; i < i1; ++i) Xp[i] = x[(i - x0) * W + w];
+        const int64_t s0 = first + o * VL * m;
+        for (int64_t i = 0; i < m; i += VL) {
+          gather(A.D + s0, m, i, s.d + i * W + o * VL, W);
+          gather(A.U + s0, m, i, s.du + i * W + o * VL, W);
+          gather(A.L + s0, m, i, s.fl + i * W + o * VL, W);
+        }
+        if (k == 1) {
+          for (int64_t i = 0; i < m; i += VL) {
+            gather(A.B + s0, m, i, s.b + i * K * W + o * VL, K * W);
+          }
           continue;
         }
-        for (int64_t i = i0; i < i1 && r0 + i < s.n; ++i) {
+        for (int64_t i = 0; i < m; ++i) {
           for (int64_t j = 0; j < k; ++j) {
-            s.X[(r0 + i) * k + j] = x[((i - x0) * k + j) * W + w];
+            V b;
+            for (int w = 0; w < VL; ++w) b[w] = A.B[(s0 + w * m + i) * k + j];
+            st(s.b + (i * K + j) * W + o * VL, b);
+          }
+        }
+      }
+    } else {
+      for (int w = 0; w < W; ++w) {
+        const int64_t s0 = first + w * m;
+        for (int64_t i = 0; i < m; ++i) {
+          s.d[i * W + w] = A.Dr(s0 + i);
+          s.du[i * W + w] = A.Ur(s0 + i);
+          s.fl[i * W + w] = A.Lr(s0 + i);
+          for (int64_t j = 0; j < k; ++j) s.b[(i * K + j) * W + w] = A.Br(s0 + i, j);
+        }
+      }
+    }
+    // The spikes: a e_1 (column k, its other rows written by the elimination) and c e_m
+    // (column k + 1: zero but in the last two rows, which the elimination's last step writes;
+    // c waits in s.c).
+    const V zero{};
+    if (spikes) {
+      for (int64_t i = 0; i + 2 < m; ++i) {
+        for (int o = 0; o < NV; ++o) st(s.b + (i * K + k + 1) * W + o * VL, zero);
+      }
+    }
+    for (int w = 0; w < W; ++w) {
+      const int64_t s0 = first + w * m, last = (m - 1) * W + w;
+      if (spikes) {
+        s.b[k * W + w] = s0 > 0 ? A.Lr(s0 - 1) : R(0);
+        s.c[w] = s.du[last];
+        if (m == 1) s.b[k + 1 + w] = s.du[last];
+      }
+      s.du[last] = R(0);  // the couplings out of the piece
+      s.fl[last] = R(0);
+    }
+  }
+
+  // Gaussian elimination with partial pivoting of the W pieces, real_kernel's steps with the
+  // pivots kept. Returns false where a pivot was zero or not finite, or where a step cancelled
+  // to rounding.
+  // k: the caller's columns; K - k: the spikes (0 or 2).
+  static TT_INLINE bool eliminate(int64_t m, int64_t k, int64_t K, const TileRows<R>& s) {
+    const V zero{};
+    const V one = zero + R(1);
+    const V tiny = zero + R(kTinyPivot) * std::numeric_limits<R>::epsilon();
+    V bad = zero;
+    for (int64_t i = 0; i + 1 < m; ++i) {
+      for (int o = 0; o < NV; ++o) {
+        const int64_t e = i * W + o * VL;
+        const V a = ld<V>(s.d + e), l = ld<V>(s.fl + e), c = ld<V>(s.du + e);
+        const V dn = ld<V>(s.d + e + W), g = ld<V>(s.du + e + W);
+        const auto sw = lnot(vabs(a) >= vabs(l));  // interchange (also on NaN)
+        const V p = sw ? l : a;
+        const V f = (sw ? a : l) / p;
+        st(s.pv + e, p);
+        st(s.du + e, sw ? dn : c);
+        st(s.fl + e, sw ? g : zero);
+        const V keep = sw ? c : dn, take = f * (sw ? dn : c);
+        const V next = keep - take;
+        st(s.d + e + W, next);
+        st(s.du + e + W, sw ? -(f * g) : g);
+        // A pivot that is zero or not finite, or a next one that cancelled to a few ulps of its
+        // terms: where ?gtsv, pivoting across the pieces' ends, meets an exact zero (a singular
+        // A), the pieces can meet rounding instead; the sequential kernel decides.
+        bad = (p == zero) | ((p - p) != zero) | ((next != zero) & (vabs(next) <= tiny * (vabs(keep) + vabs(take))))
+                  ? one
+                  : bad;
+        R* b0 = s.b + i * K * W + o * VL;
+        for (int64_t j = 0; j < k; ++j) {
+          const V x0 = ld<V>(b0 + j * W), x1 = ld<V>(b0 + (K + j) * W);
+          const V q = sw ? x1 : x0;
+          st(b0 + j * W, q);
+          st(b0 + (K + j) * W, (sw ? x0 : x1) - f * q);
+        }
+        if (K > k) {
+          // a e_1: row i + 1 is zero before this step.
+          const V x0 = ld<V>(b0 + k * W);
+          const V q = sw ? zero : x0;
+          st(b0 + k * W, q);
+          st(b0 + (K + k) * W, (sw ? x0 : zero) - f * q);
+          if (i + 2 == m) {  // c e_m: zero down to here, c in the last row
+            const V x1 = ld<V>(s.c + o * VL);
+            const V q2 = sw ? x1 : zero;
+            st(b0 + (k + 1) * W, q2);
+            st(b0 + (K + k + 1) * W, (sw ? zero : x1) - f * q2);
           }
         }
       }
     }
-    bool ok = true;
     for (int o = 0; o < NV; ++o) {
-      for (int v = 0; v < VL; ++v) ok &= finite[o][v] == R(0);
+      const int64_t e = (m - 1) * W + o * VL;
+      const V p = ld<V>(s.d + e);
+      st(s.pv + e, p);
+      bad = (p == zero) | ((p - p) != zero) ? one : bad;
     }
-    return ok;
+    bool any = false;
+    for (int w = 0; w < VL; ++w) any = any || bad[w] != R(0);
+    return !any;
   }
 
-  // Tile t: the speculative elimination, then at once (its rows still in cache) the speculative
-  // back substitution; with a compact workspace, then its edges kept and the rows between them
-  // written to X. Returns kZeroPivot and kNotFinite bits.
-  static TT_INLINE int tile(const Spec<R>& s, int64_t t, const TileRows<R>& rows) {
-    int flags = forward(s, t, rows) ? kZeroPivot : 0;
-    backward(s, rows);
-    if (s.compact()) {
-      keep_edges(s, t, rows);
-      if (!scatter(s, t, rows.x, 0, s.edge, s.m - s.edge)) flags |= kNotFinite;
+  // Back substitution of the K columns, x in place of b; mag [K][W]: each column's max |x| (a
+  // value that is not finite reaches the first row: every row's x enters the one above).
+  static TT_INLINE void substitute(int64_t m, int64_t K, const TileRows<R>& s, R* mag) {
+    const V zero{};
+    for (int64_t j = 0; j < K; ++j) {
+      for (int o = 0; o < NV; ++o) st(mag + j * W + o * VL, zero);
     }
-    return flags;
+    for (int64_t i = m - 1; i >= 0; --i) {
+      for (int o = 0; o < NV; ++o) {
+        const int64_t e = i * W + o * VL;
+        const V p = ld<V>(s.pv + e), u = ld<V>(s.du + e), f = ld<V>(s.fl + e);
+        R* bi = s.b + i * K * W + o * VL;
+        for (int64_t j = 0; j < K; ++j) {
+          V t = ld<V>(bi + j * W);
+          if (i + 1 < m) t = t - u * ld<V>(bi + (K + j) * W);
+          if (i + 2 < m) t = t - f * ld<V>(bi + (2 * K + j) * W);
+          const V x = t / p;
+          st(bi + j * W, x);
+          R* mg = mag + j * W + o * VL;
+          const V ax = vabs(x), old = ld<V>(mg);
+          st(mg, ax > old ? ax : old);
+        }
+      }
+    }
   }
 };
 
-// kFar: the repair needs rows that a compact workspace does not keep (the system is then solved
-// again with every row kept).
-enum class Repair { kMerged, kThrough, kBad, kFar };
-
-// Whether two reals have the same bits: == would take -0.0 for +0.0, whose sign a later
-// division can turn into an infinity of the other sign (and ?gtsv's answer keeps it).
-template <typename R>
-TT_INLINE bool same_bits(R a, R b) {
-  return std::memcmp(&a, &b, sizeof(R)) == 0;
-}
-
-// The forward repair of piece q >= 1: ?gtsv's steps from the state `state` ([2 + k]: diagonal,
-// superdiagonal, right-hand side) of the last row of piece q - 1, through the first rows of
-// piece q, until the state equals a checkpoint of the speculative chain. The steps' pivot rows
-// are written over the speculative ones. kThrough: no agreement in the piece; `state` is then
-// the state of piece q's last row. kBad: a zero pivot. kFar: see Repair.
-// A repair that runs again (its state above has changed) does not stop before `reach`, the row
-// where the earlier one stopped: the rows before it hold the earlier run's values. On return,
-// reach is the row where this one stopped.
-template <typename R>
-Repair repair_forward(const Spec<R>& s, int64_t q, R* state, int64_t& reach) {
-  const int64_t m = s.m, k = s.k, C = s.checkpoints();
-  const int64_t W = s.W;
-  const R* ck = s.ck + (q / W * C) * (2 + k) * W + q % W;
-  const int64_t min_stop = reach;
-  for (int64_t i = -1; i + 1 < m; ++i) {  // the step of rows (i, i + 1) of piece q
-    reach = i;
-    if (i >= min_stop && i % kCheckpoint == 0) {
-      const R* c = ck + (i / kCheckpoint) * (2 + k) * W;
-      bool same = same_bits(c[0], state[0]) && same_bits(c[W], state[1]);
-      for (int64_t j = 0; j < k && same; ++j) same = same_bits(c[(2 + j) * W], state[2 + j]);
-      if (same) return Repair::kMerged;
+// Banded elimination with partial pivoting of the reduced system: N unknowns, row r's entries in
+// columns r - 2 .. r + 2 (coef(r, e): e[0..4], zero outside [0, N)), rhs(r, y): k values.
+// z: [N][k]. Returns false on a zero pivot, or one below kTinyPivot eps of its row's largest
+// entry.
+template <typename R, typename Coef, typename Rhs>
+bool reduced_solve(int64_t N, int64_t k, Coef coef, Rhs rhs, R* z) {
+  constexpr int kW = 5;
+  const R tiny = R(kTinyPivot) * std::numeric_limits<R>::epsilon();
+  std::vector<R> ue(N * kW), ub(N * k);
+  struct Slot {
+    R e[kW];
+    R scale;
+  };
+  Slot slot[3];
+  std::vector<R> sb(3 * k);
+  R* b[3] = {sb.data(), sb.data() + k, sb.data() + 2 * k};
+  // Row r into slot i, its entries relative to column c.
+  auto load = [&](int i, int64_t r, int64_t c) {
+    R e[kW];
+    coef(r, e);
+    R scale = 0;
+    for (int o = 0; o < kW; ++o) {
+      const int64_t col = r - 2 + o;
+      if (col < 0 || col >= N) e[o] = R(0);
+      scale = std::max(scale, std::abs(e[o]));
     }
-    // Row i, and the two rows the back substitution starts again from, among the kept ones.
-    if (s.compact() && i + 2 >= s.edge) return Repair::kFar;
-    const int64_t r = q * m + i;  // the global row of the pivot row
-    const int64_t at = i >= 0 ? s.at(q, i) : s.at(q - 1, m - 1);
-    const R a = state[0], c = state[1];
-    const R l = s.Lr(r), e = s.Dr(r + 1), g = s.Ur(r + 1);
-    const bool sw = !(std::abs(a) >= std::abs(l));
-    if (!sw && a == R(0)) return Repair::kBad;
-    const R p = sw ? l : a;
-    const R f = (sw ? a : l) / p;
-    s.d[at] = p;
-    s.du[at] = sw ? e : c;
-    s.dl[at] = sw ? g : R(0);
-    state[0] = (sw ? c : e) - f * (sw ? e : c);
-    state[1] = sw ? -(f * g) : g;
+    for (int o = 0; o < kW; ++o) slot[i].e[o] = R(0);
+    for (int o = 0; o < kW; ++o) {
+      const int64_t rel = r - 2 + o - c;
+      if (rel >= 0 && rel < kW) slot[i].e[rel] = e[o];
+    }
+    slot[i].scale = scale;
+    rhs(r, b[i]);
+  };
+  int rows = 0;  // slots in use
+  for (int64_t r = 0; r < std::min<int64_t>(N, 2); ++r) load(rows++, r, 0);
+  for (int64_t c = 0; c < N; ++c) {
+    if (c + 2 < N) load(rows++, c + 2, c);
+    int best = 0;
+    for (int i = 1; i < rows; ++i) {
+      if (std::abs(slot[i].e[0]) > std::abs(slot[best].e[0])) best = i;
+    }
+    if (best != 0) {
+      std::swap(slot[0], slot[best]);
+      std::swap(b[0], b[best]);
+    }
+    const R p = slot[0].e[0];
+    if (!(std::abs(p) > tiny * slot[0].scale)) return false;  // also NaN
+    for (int i = 1; i < rows; ++i) {
+      const R f = slot[i].e[0] / p;
+      for (int o = 1; o < kW; ++o) slot[i].e[o] -= f * slot[0].e[o];
+      for (int64_t j = 0; j < k; ++j) b[i][j] -= f * b[0][j];
+    }
+    std::copy(slot[0].e, slot[0].e + kW, &ue[c * kW]);
+    std::copy(b[0], b[0] + k, &ub[c * k]);
+    // Shift: the remaining rows move up, their entries one column left.
+    R* first = b[0];
+    for (int i = 1; i < rows; ++i) {
+      for (int o = 0; o + 1 < kW; ++o) slot[i - 1].e[o] = slot[i].e[o + 1];
+      slot[i - 1].e[kW - 1] = R(0);
+      slot[i - 1].scale = slot[i].scale;
+      b[i - 1] = b[i];
+    }
+    b[rows - 1] = first;
+    --rows;
+  }
+  for (int64_t c = N - 1; c >= 0; --c) {
     for (int64_t j = 0; j < k; ++j) {
-      const int64_t atb = i >= 0 ? s.atb(q, i, j) : s.atb(q - 1, m - 1, j);
-      const R x0 = state[2 + j], x1 = s.Br(r + 1, j);
-      const R qv = sw ? x1 : x0;
-      s.b[atb] = qv;
-      state[2 + j] = (sw ? x0 : x1) - f * qv;
+      R t = ub[c * k + j];
+      for (int o = 1; o < kW && c + o < N; ++o) t -= ue[c * kW + o] * z[(c + o) * k + j];
+      z[c * k + j] = t / ue[c * kW];
     }
   }
-  reach = m;
-  return Repair::kThrough;
+  return true;
 }
 
-// The backward repair of piece q <= P - 2, column j: the back substitution from the true values
-// of piece q + 1's first two rows, until two consecutive values equal the speculative ones
-// (kMerged), or through the piece (kThrough), or to a row a compact workspace does not keep.
+// Row r of the reduced system (unknown 2q: b_q, the last of piece q; 2q + 1: t_{q+1}, the first
+// of piece q + 1), its entries in columns r - 2 .. r + 2, from the kept first and last rows
+// (top, bot: [P][K], the spikes' columns k and k + 1).
 template <typename R>
-Repair repair_backward(const Spec<R>& s, int64_t q, int64_t j, R xa, R xb) {
-  bool same_below = false;
-  for (int64_t i = s.m - 1; i >= 0; --i) {
-    if (s.compact() && i < s.m - s.edge) return Repair::kFar;
-    const int64_t e = s.at(q, i), eb = s.atb(q, i, j);
-    const R v = ((s.b[eb] - s.du[e] * xa) - s.dl[e] * xb) / s.d[e];
-    const bool same = same_bits(v, s.x[eb]);
-    if (same && same_below) return Repair::kMerged;
-    if (!same) s.x[eb] = v;
-    same_below = same;
-    xb = xa;
-    xa = v;
+inline void reduced_row(int64_t r, const R* top, const R* bot, int64_t K, int64_t k, R* e) {
+  const int64_t q = r / 2;
+  for (int o = 0; o < 5; ++o) e[o] = R(0);
+  e[2] = R(1);
+  if (r % 2 == 0) {  // the last row of piece q: columns b_{q-1}, b_q, t_{q+1}
+    e[0] = bot[q * K + k];
+    e[3] = bot[q * K + k + 1];
+  } else {  // the first row of piece q + 1: columns b_q, t_{q+1}, t_{q+2}
+    e[1] = top[(q + 1) * K + k];
+    e[4] = top[(q + 1) * K + k + 1];
   }
-  return Repair::kThrough;
 }
 
+// Solve one real system with W pieces a tile (Tile: PieceTile<V, NV>). Returns 0 where it solved
+// it (X written), -1 where it could not vouch for an answer (X undefined).
+template <typename Tile, typename R>
+TT_INLINE int run_pieces(const System<R>& A, R* X, int64_t m, int64_t P) {
+  constexpr int64_t W = Tile::W;
+  const int64_t k = A.k, K = k + 2, tiles = P / W;
+  // A tile's scratch; each piece's first and last rows of y, v, w and their magnitudes.
+  std::unique_ptr<R[]> scratch(new R[m * W * (4 + K) + K * W + W]);
+  R* mag = scratch.get() + m * W * (4 + K);
+  const TileRows<R> s{scratch.get(), scratch.get() + m * W, scratch.get() + 2 * m * W,
+                      scratch.get() + 3 * m * W, scratch.get() + 4 * m * W, mag + K * W};
+  std::unique_ptr<R[]> kept(new R[3 * P * K]);
+  R *top = kept.get(), *bot = top + P * K, *big = bot + P * K;
+  for (int64_t t = 0; t < tiles; ++t) {
+    Tile::load(A, m, t, K, true, s);
+    if (!Tile::eliminate(m, k, K, s)) return -1;
+    Tile::substitute(m, K, s, mag);
+    for (int64_t w = 0; w < W; ++w) {
+      const int64_t q = t * W + w;
+      for (int64_t j = 0; j < K; ++j) {
+        if (!std::isfinite(s.b[j * W + w])) return -1;
+        top[q * K + j] = s.b[j * W + w];
+        bot[q * K + j] = s.b[((m - 1) * K + j) * W + w];
+        big[q * K + j] = mag[j * W + w];
+      }
+    }
+    if (t == 0 && tiles >= kProbeTiles && W > 1) {
+      // Decide early: the reduced system of the first tile's pieces, on a right-hand side of
+      // ones. Where it amplifies that by more than kAmplification, the coupling decays too
+      // slowly across a piece (tridiag(-1, 2, -1), say), and the rounding of the pieces,
+      // compounded through the reduced system, can exceed ?gtsv's error: hand the system back
+      // now, having spent one tile of kProbeTiles or more.
+      const int64_t N1 = 2 * (W - 1);
+      std::unique_ptr<R[]> probe(new R[N1]);
+      auto coef1 = [&](int64_t r, R* e) { reduced_row(r, top, bot, K, k, e); };
+      auto ones = [](int64_t, R* y) { y[0] = R(1); };
+      if (!reduced_solve<R>(N1, 1, coef1, ones, probe.get())) return -1;
+      for (int64_t r = 0; r < N1; ++r) {
+        if (!(std::abs(probe[r]) <= R(kAmplification))) return -1;
+      }
+    }
+  }
+  // The reduced system: unknown 2q is b_q, 2q + 1 is t_{q+1}.
+  const int64_t N = 2 * (P - 1);
+  std::unique_ptr<R[]> z(new R[std::max<int64_t>(N, 1) * k]);
+  auto coef = [&](int64_t r, R* e) { reduced_row(r, top, bot, K, k, e); };
+  auto rhs = [&](int64_t r, R* y) {
+    const int64_t q = r / 2;
+    const R* from = r % 2 == 0 ? &bot[q * K] : &top[(q + 1) * K];
+    std::copy(from, from + k, y);
+  };
+  if (N > 0 && !reduced_solve<R>(N, k, coef, rhs, z.get())) return -1;
+  // Each piece again, with its neighbours' values: the last tiles first, which the caches may
+  // still hold.
+  for (int64_t t = tiles - 1; t >= 0; --t) {
+    Tile::load(A, m, t, k, false, s);
+    for (int64_t w = 0; w < W; ++w) {
+      const int64_t q = t * W + w, s0 = q * m;
+      if (q > 0) {
+        const R a = A.Lr(s0 - 1);
+        for (int64_t j = 0; j < k; ++j) s.b[j * W + w] -= a * z[(2 * (q - 1)) * k + j];
+      }
+      if (q + 1 < P) {
+        const R c = A.Ur(s0 + m - 1);
+        for (int64_t j = 0; j < k; ++j) s.b[((m - 1) * k + j) * W + w] -= c * z[(2 * q + 1) * k + j];
+      }
+    }
+    if (!Tile::eliminate(m, k, k, s)) return -1;
+    Tile::substitute(m, k, s, mag);
+    for (int64_t w = 0; w < W; ++w) {
+      const int64_t q = t * W + w, s0 = q * m;
+      for (int64_t j = 0; j < k; ++j) {
+        if (!std::isfinite(s.b[j * W + w])) return -1;
+        const R left = q > 0 ? std::abs(z[(2 * (q - 1)) * k + j]) : R(0);
+        const R right = q + 1 < P ? std::abs(z[(2 * q + 1) * k + j]) : R(0);
+        const R terms = big[q * K + j] + big[q * K + k] * left + big[q * K + k + 1] * right;
+        if (!(terms <= R(kCancellation) * mag[j * W + w])) {
+          if (terms != R(0)) return -1;
+        }
+      }
+    }
+    const int64_t first = t * W * m;
+    if (k == 1 && first + W * m <= A.n) {  // VL rows of VL pieces at a time, transposed
+      for (int o = 0; o < Tile::NVEC; ++o) {
+        for (int64_t i = 0; i < m; i += Tile::VL) {
+          Tile::scatter(s.b + i * W + o * Tile::VL, W, m, i, X + first + o * Tile::VL * m);
+        }
+      }
+      continue;
+    }
+    for (int64_t w = 0; w < W; ++w) {
+      const int64_t s0 = first + w * m;
+      const int64_t rows = std::min<int64_t>(m, A.n - s0);
+      for (int64_t i = 0; i < rows; ++i) {
+        for (int64_t j = 0; j < k; ++j) X[(s0 + i) * k + j] = s.b[(i * k + j) * W + w];
+      }
+    }
+  }
+  return 0;
+}
 
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
 #define TT_HAVE_AVX2 1
 #define TT_AVX2 __attribute__((target("avx2")))
-TT_AVX2 int tile_avx2(const Spec<double>& s, int64_t t, const TileRows<double>& rows) {
-  return SpecTile<v4d, 2>::tile(s, t, rows);
+TT_AVX2 int pieces_avx2(const System<double>& A, double* X, int64_t m, int64_t P) {
+  return run_pieces<PieceTile<v4d, kWideVectors>>(A, X, m, P);
 }
-TT_AVX2 int tile_avx2(const Spec<float>& s, int64_t t, const TileRows<float>& rows) {
-  return SpecTile<v8f, 2>::tile(s, t, rows);
-}
-TT_AVX2 bool scatter_avx2(const Spec<double>& s, int64_t t, const double* x, int64_t x0,
-                          int64_t from, int64_t to) {
-  return SpecTile<v4d, 2>::scatter(s, t, x, x0, from, to);
-}
-TT_AVX2 bool scatter_avx2(const Spec<float>& s, int64_t t, const float* x, int64_t x0,
-                          int64_t from, int64_t to) {
-  return SpecTile<v8f, 2>::scatter(s, t, x, x0, from, to);
+TT_AVX2 int pieces_avx2(const System<float>& A, float* X, int64_t m, int64_t P) {
+  return run_pieces<PieceTile<v8f, kWideVectors>>(A, X, m, P);
 }
 // TRIDIAG_TUTORIAL_NO_AVX2=1 in the environment when the library loads: the 16-byte lanes that
 // plain x86-64 and aarch64 use (the tests run them that way on any CPU).
@@ -998,303 +1011,42 @@ template <typename R>
 struct Narrow;  // 16-byte vectors: what plain x86-64 (SSE2) and aarch64 (NEON) have
 template <>
 struct Narrow<double> {
-  using T = SpecTile<v2d, 4>;
+  using T = PieceTile<v2d, 4>;
 };
 template <>
 struct Narrow<float> {
-  using T = SpecTile<v4f, 4>;
-};
-template <typename R>
-struct Wide;  // 32-byte vectors (AVX2), chosen at run time
-template <>
-struct Wide<double> {
-  using T = SpecTile<v4d, 2>;
-};
-template <>
-struct Wide<float> {
-  using T = SpecTile<v8f, 2>;
+  using T = PieceTile<v4f, 4>;
 };
 
-// The workspace of the speculative kernel: kept by each thread between calls and grown to the
-// largest it needed (Tag: the calling thread's workspace, 0, or a thread's tile scratch, 1).
-// Fresh memory costs a page fault per 4 KiB on its first use, as much as the solve itself at
-// n = 1e6 (measured: 2.6x the time of a solve with the workspace kept).
-template <typename R, int Tag>
-R* workspace(int64_t count) {
-  thread_local std::unique_ptr<R[]> buffer;
-  thread_local int64_t capacity = 0;
-  if (capacity < count) {
-    buffer.reset();
-    buffer.reset(new R[count]);
-    capacity = count;
-  }
-  return buffer.get();
-}
-
-// The back substitution of piece q's rows [0, top) again (a forward repair rewrote their pivot
-// rows), upward from the values of rows top and top + 1 (past the piece: the guess of zero).
+// Solve one real system on the pieces kernel: 0 where it solved it, -1 where the caller must
+// solve it with real_kernel_one (X is then undefined).
 template <typename R>
-void redo_top(const Spec<R>& s, int64_t q, int64_t top) {
-  const int64_t m = s.m;
-  for (int64_t j = 0; j < s.k; ++j) {
-    R xa = top < m ? s.x[s.atb(q, top, j)] : R(0);
-    R xb = top + 1 < m ? s.x[s.atb(q, top + 1, j)] : R(0);
-    for (int64_t i = top - 1; i >= 0; --i) {
-      const int64_t e = s.at(q, i), eb = s.atb(q, i, j);
-      const R v = ((s.b[eb] - s.du[e] * xa) - s.dl[e] * xb) / s.d[e];
-      s.x[eb] = v;
-      xb = xa;
-      xa = v;
-    }
-  }
-}
-
-// The repairs of the join between piece q - 1 and piece q, for a compact workspace: the forward
-// repair of q from q - 1's speculative last state, the back substitution of q's first rows again,
-// and the backward repair of q - 1 from q's first two values (kept in tops). With a compact
-// workspace a forward repair only touches the first `edge` rows of a piece (and the last row of
-// the piece above) and a backward repair only the last `edge`, so the joins can be repaired in
-// any order, each by itself; the answer is that of run_speculative's phases, one after another,
-// wherever every repair merges. Returns false where one did not (the caller then runs those
-// phases).
-template <typename R>
-bool repair_join(const Spec<R>& s, int64_t q, R* state, int64_t& reach, R* tops) {
-  const int64_t k = s.k;
-  std::copy(s.ends + (q - 1) * (2 + k), s.ends + q * (2 + k), state);
-  reach = -1;
-  if (repair_forward(s, q, state, reach) != Repair::kMerged) return false;
-  redo_top(s, q, reach);
-  for (int64_t j = 0; j < k; ++j) {
-    const R xa = s.x[s.atb(q, 0, j)], xb = s.x[s.atb(q, 1, j)];
-    tops[(q * k + j) * 2] = xa;
-    tops[(q * k + j) * 2 + 1] = xb;
-    if (repair_backward(s, q - 1, j, xa, xb) != Repair::kMerged) return false;
-  }
-  return true;
-}
-
-// One run of the speculative kernel on the pieces that s describes, its workspace kept whole
-// (s.kept = s.m) or compact. Returns 0 where it solved the system, 1 where a repair went through
-// a whole piece (the answer is still ?gtsv's), -1 where it could not (a zero pivot or a value
-// that is not finite) and -2 where a repair needed a row that a compact workspace lacks.
-// joined (a compact workspace only): each thread repairs the joins inside the tiles it has just
-// eliminated, while their rows are still in its core's cache, and the joins between tiles are
-// repaired after (repair_join), instead of the phases below, each over all the pieces, one
-// after another; where a repair does not merge, it returns -3 and the caller runs those phases.
-template <typename R>
-int run_speculative(Spec<R>& s, bool wide, bool joined = false) {
-  const int64_t k = s.k, m = s.m, P = s.P, W = s.W;
-  const int64_t tiles = P / W, C = s.checkpoints(), rows = P * s.kept;
-  s.d = workspace<R, 0>(rows * (3 + 2 * k) + tiles * C * (2 + k) * W + P * (2 + k));
-  s.du = s.d + rows;
-  s.dl = s.du + rows;
-  s.b = s.dl + rows;
-  s.x = s.b + rows * k;
-  s.ck = s.x + rows * k;
-  s.ends = s.ck + tiles * C * (2 + k) * W;
-  // Every tile: eliminated, substituted back and (compact) written out, in the workspace itself
-  // or in a scratch of its thread's.
-  std::atomic<int> flags{0};
-  joined = joined && s.compact();
-  std::vector<R> tops(P * k * 2);  // the first two values of each piece a backward repair used
-  std::unique_ptr<int64_t[]> reach(new int64_t[P]);
-  std::atomic<bool> merged{true};
-  torch::stable::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
-    R* scratch = s.compact() ? workspace<R, 1>(m * W * (3 + 2 * k)) : nullptr;
-    std::vector<R> state(joined ? 2 + k : 0);
-    for (int64_t t = begin; t < end; ++t) {
-      TileRows<R> rows{s.d + t * m * W, s.du + t * m * W, s.dl + t * m * W,
-                       s.b + t * m * k * W, s.x + t * m * k * W};
-      if (s.compact()) {
-        rows = {scratch, scratch + m * W, scratch + 2 * m * W, scratch + 3 * m * W,
-                scratch + (3 + k) * m * W};
-      }
-      int f;
-#if TT_HAVE_AVX2
-      if (wide) {
-        f = tile_avx2(s, t, rows);
-      } else
-#endif
-      {
-        f = Narrow<R>::T::tile(s, t, rows);
-      }
-      flags.fetch_or(f);
-      // The joins inside the tile, by the thread that eliminated it.
-      for (int64_t q = t * W + 1; joined && !(f & kZeroPivot) && q < (t + 1) * W; ++q) {
-        if (!repair_join(s, q, state.data(), reach[q], tops.data())) {
-          merged.store(false);
-          break;
-        }
-      }
-    }
-  });
-  if (flags.load() & kZeroPivot) return -1;
-  if (joined) {
-    if (flags.load() & kNotFinite) return -1;  // (as the phases below would, at their end)
-    if (!merged.load()) return -3;
-    // The joins between tiles (their rows are in other cores' caches: few, spread as repairs).
-    const int64_t grain = std::max<int64_t>(1, kRepairGrain / W);
-    torch::stable::parallel_for(1, tiles, grain, [&](int64_t begin, int64_t end) {
-      std::vector<R> state(2 + k);
-      for (int64_t t = begin; t < end; ++t) {
-        if (!repair_join(s, t * W, state.data(), reach[t * W], tops.data())) merged.store(false);
-      }
-    });
-    if (!merged.load()) return -3;
-    if (s.d[s.at(P - 1, m - 1)] == R(0)) return -1;  // ?gtsv's check of the last pivot
-    // (Every piece's first two values are still those its upper neighbour's repair used: a
-    // repair that merged did not reach them. Checked all the same, as below.)
-    for (int64_t q = 1; q < P; ++q) {
-      for (int64_t j = 0; j < k; ++j) {
-        if (!same_bits(s.x[s.atb(q, 0, j)], tops[(q * k + j) * 2]) ||
-            !same_bits(s.x[s.atb(q, 1, j)], tops[(q * k + j) * 2 + 1])) {
-          return -3;
-        }
-      }
-    }
-  }
-  int result = 0;
-  if (!joined) {
-    // Forward repairs: all at once, each from the speculative state above it (ends); then, in
-    // order, again below each piece that a repair went through (its last row's state changed).
-    std::unique_ptr<Repair[]> how(new Repair[P]);
-    std::vector<R> states(P * (2 + k));
-    torch::stable::parallel_for(1, P, kRepairGrain, [&](int64_t begin, int64_t end) {
-      for (int64_t q = begin; q < end; ++q) {
-        R* state = &states[q * (2 + k)];
-        std::copy(s.ends + (q - 1) * (2 + k), s.ends + q * (2 + k), state);
-        reach[q] = -1;
-        how[q] = repair_forward(s, q, state, reach[q]);
-      }
-    });
-    for (int64_t q = 1; q < P; ++q) {
-      if (how[q] == Repair::kFar) return -2;
-    }
-    for (int64_t q = 1; q < P; ++q) {
-      if (how[q] == Repair::kBad) return -1;
-      if (how[q] != Repair::kThrough) continue;
-      result = 1;
-      if (q + 1 == P) {  // the last row of all: its state is its final pivot
-        const int64_t e = s.at(q, m - 1);
-        s.d[e] = states[q * (2 + k)];
-        s.du[e] = states[q * (2 + k) + 1];
-        for (int64_t j = 0; j < k; ++j) s.b[s.atb(q, m - 1, j)] = states[q * (2 + k) + 2 + j];
-        break;
-      }
-      R* next = &states[(q + 1) * (2 + k)];
-      std::copy(&states[q * (2 + k)], &states[(q + 1) * (2 + k)], next);
-      how[q + 1] = repair_forward(s, q + 1, next, reach[q + 1]);
-    }
-    if (s.d[s.at(P - 1, m - 1)] == R(0)) return -1;  // ?gtsv's check of the last pivot
-    // The repairs rewrote the pivot rows of the first reach[q] rows of each piece q (all of them
-    // where one went through): their speculative back substitution used the old ones. Run it
-    // again there, upward from the first row the repair left alone (below the piece: the same
-    // guess of zero). The last row of the piece above also changed: its backward repair, which
-    // starts there, takes care of it.
-    torch::stable::parallel_for(1, P, kRepairGrain, [&](int64_t begin, int64_t end) {
-      for (int64_t q = begin; q < end; ++q) redo_top(s, q, std::min(reach[q], m));
-    });
-    // Backward repairs: all at once from the speculative values of the first two rows below
-    // (tops), then upward again above each piece that a repair went through.
-    for (int64_t q = 1; q < P; ++q) {
-      for (int64_t j = 0; j < k; ++j) {
-        tops[(q * k + j) * 2] = s.x[s.atb(q, 0, j)];
-        tops[(q * k + j) * 2 + 1] = s.x[s.atb(q, 1, j)];
-      }
-    }
-    std::atomic<int> through{0};  // bit 1: a repair went through a piece; bit 2: one went far
-    torch::stable::parallel_for(0, P - 1, kRepairGrain, [&](int64_t begin, int64_t end) {
-      for (int64_t q = begin; q < end; ++q) {
-        for (int64_t j = 0; j < k; ++j) {
-          const Repair r = repair_backward(s, q, j, tops[((q + 1) * k + j) * 2],
-                                           tops[((q + 1) * k + j) * 2 + 1]);
-          if (r != Repair::kMerged) through.fetch_or(r == Repair::kFar ? 2 : 1);
-        }
-      }
-    });
-    if (through.load() & 2) return -2;
-    if (through.load() & 1) result = 1;
-    // From the bottom up: where a piece's first two values are not those its upper neighbour's
-    // repair started from, that repair runs again from the values now there.
-    for (int64_t j = 0; j < k; ++j) {
-      for (int64_t q = P - 2; q >= 0; --q) {
-        const R xa = s.x[s.atb(q + 1, 0, j)], xb = s.x[s.atb(q + 1, 1, j)];
-        if (same_bits(xa, tops[((q + 1) * k + j) * 2]) &&
-            same_bits(xb, tops[((q + 1) * k + j) * 2 + 1])) {
-          continue;
-        }
-        result = 1;
-        if (repair_backward(s, q, j, xa, xb) == Repair::kFar) return -2;
-      }
-    }
-  }
-  if (flags.load() & kNotFinite) return -1;
-  // Into X: with a compact workspace the kept rows (the first and last `edge` of each piece; the
-  // tiles wrote the others), else every row; each tile by the thread that eliminated it, by the
-  // same transposes as the tiles' own scatter.
-  std::atomic<bool> finite{true};
-  torch::stable::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) {
-      const R* x = s.x + t * s.kept * k * W;
-      const int64_t bottom = m - s.edge, rest = s.compact() ? s.edge : m;
-      bool ok;
-#if TT_HAVE_AVX2
-      if (wide) {
-        ok = scatter_avx2(s, t, x, 0, 0, rest) &&
-             (!s.compact() || scatter_avx2(s, t, x + s.edge * k * W, bottom, bottom, m));
-      } else
-#endif
-      {
-        ok = Narrow<R>::T::scatter(s, t, x, 0, 0, rest) &&
-             (!s.compact() || Narrow<R>::T::scatter(s, t, x + s.edge * k * W, bottom, bottom, m));
-      }
-      if (!ok) finite.store(false);
-    }
-  });
-  return finite.load() ? result : -1;
-}
-
-// Solve one real system on the speculative kernel. Returns 0 where it solved it, 1 where a
-// repair went through a whole piece (the answer is still ?gtsv's), and -1 where it could not
-// (a zero pivot or a value that is not finite; X is then undefined and the caller solves the
-// system with real_kernel_one).
-template <typename R>
-int solve_speculative(const R* L, const R* D, const R* U, const R* B, R* X, int64_t n,
-                      int64_t k) {
+int solve_pieces(const R* L, const R* D, const R* U, const R* B, R* X, int64_t n, int64_t k) {
 #if TT_HAVE_AVX2
   const bool wide = cpu_has_avx2();
 #else
   const bool wide = false;
 #endif
-  const int64_t W = wide ? Wide<R>::T::W : Narrow<R>::T::W;
-  // About kPieceRows rows a piece, but at least one tile of W pieces per thread where pieces of
-  // kMinPieceRows rows allow it (the tiles are what the threads share).
-  const int64_t threads = static_cast<int64_t>(torch::stable::get_num_threads());
+  const int64_t W = wide ? kWideVectors * 32 / static_cast<int64_t>(sizeof(R)) : Narrow<R>::T::W;
   int64_t P = std::max<int64_t>(W, (n + kPieceRows - 1) / kPieceRows);
-  P = std::max<int64_t>(P, W * std::min<int64_t>(threads, n / (W * kMinPieceRows)));
   P = (P + W - 1) / W * W;
   int64_t m = (n + P - 1) / P;
-  // W pieces are read side by side, m rows apart: a distance close to a multiple of 4 KiB puts
-  // them in one set of the L1 cache, which then misses on every row. Move away from it.
+  m = (m + 7) / 8 * 8;  // a multiple of the lanes of a vector (the transposes)
+  // The gather reads W pieces side by side, m rows apart: a distance close to a multiple of
+  // 4 KiB puts them in one set of the L1 cache, which then misses on every row (measured: the
+  // loads took 2.4 times as long at m = 511 as at m = 500). Move away from it.
   while (m * static_cast<int64_t>(sizeof(R)) > 4096 - 512) {
     const int64_t off = (m * static_cast<int64_t>(sizeof(R))) % 4096;
     if (off >= 512 && off <= 4096 - 512) break;
     P += W;
-    m = (n + P - 1) / P;
+    m = ((n + P - 1) / P + 7) / 8 * 8;
   }
-  if (m < 2 * kCheckpoint) return -1;
-  Spec<R> s{L, D, U, B, X, n, k, m, P, W};
-  // First with the compact workspace (long enough pieces), then, where a repair reached past
-  // its rows, with every row kept.
-  if (m >= 4 * kEdge) {
-    s.edge = kEdge;
-    s.kept = 2 * kEdge;
-    int how = run_speculative(s, wide, true);
-    if (how == -3) how = run_speculative(s, wide);
-    if (how != -2) return how;
-  }
-  s.edge = s.kept = m;
-  return run_speculative(s, wide);
+  if (m < kMinPieceRows || k < 1) return -1;
+  const System<R> A{L, D, U, B, n, k};
+#if TT_HAVE_AVX2
+  if (wide) return pieces_avx2(A, X, m, P);
+#endif
+  return run_pieces<typename Narrow<R>::T>(A, X, m, P);
 }
 
 
@@ -1303,30 +1055,35 @@ int solve_speculative(const R* L, const R* D, const R* U, const R* B, R* X, int6
 // system * n + pivot.
 template <typename R, bool Complex>
 void solve_all(const R* L, const R* D, const R* U, const R* Bm, R* X, int64_t nsys, int64_t n,
-               int64_t k, std::atomic<int64_t>& first, int64_t speculative_min_n,
+               int64_t k, std::atomic<int64_t>& first, int64_t pieces_min_n,
                int64_t& fallbacks) {
   constexpr int C = Complex ? 2 : 1;
   constexpr int W = kLanes<R>;
   const int64_t band = (n - 1) * C, dsize = n * C, bsize = n * k * C;
   const int64_t work = std::max<int64_t>(1, n * (k + 3));  // per system, roughly
   std::vector<int64_t> sequential;  // the systems that the elimination below solves
-  bool speculative = false;
+  bool pieces = false;
   if constexpr (!Complex) {
-    speculative = nsys < W && n >= speculative_min_n && k >= 1;
-    if (speculative) {
-      // A few large systems: one after another, each on the speculative kernel (its pieces
-      // spread over the threads); a system it hands back is solved below, sequentially.
+    pieces = nsys < W && n >= pieces_min_n && k >= 1;
+    if (pieces) {
+      // A few large systems, each on the pieces kernel by one thread (a system is enough work
+      // for one); a system it hands back is solved below, sequentially.
+      std::vector<char> handed_back(nsys, 0);
+      torch::stable::parallel_for(0, nsys, 1, [&](int64_t begin, int64_t end) {
+        for (int64_t s = begin; s < end; ++s) {
+          handed_back[s] = solve_pieces<R>(L + s * band, D + s * dsize, U + s * band,
+                                           Bm + s * bsize, X + s * bsize, n, k) != 0;
+        }
+      });
       for (int64_t s = 0; s < nsys; ++s) {
-        const int how = solve_speculative<R>(L + s * band, D + s * dsize, U + s * band,
-                                             Bm + s * bsize, X + s * bsize, n, k);
-        if (how != 0) ++fallbacks;
-        if (how < 0) sequential.push_back(s);
+        if (handed_back[s]) sequential.push_back(s);
       }
+      fallbacks += static_cast<int64_t>(sequential.size());
       if (sequential.empty()) return;
     }
   }
   if (nsys < W) {
-    if (!speculative) {
+    if (!pieces) {
       for (int64_t s = 0; s < nsys; ++s) sequential.push_back(s);
     }
     // Few systems (one large system, say): W = 1, each system solved in place in the output.
@@ -1476,30 +1233,30 @@ bool is_complex(ScalarType dtype) {
 // x = M^{-1} b for nsys systems, dispatched on dtype. L, D, U are M's bands (contiguous).
 void solve_dtype(ScalarType dtype, const void* L, const void* D, const void* U, const void* B,
                  void* X, int64_t nsys, int64_t n, int64_t k, std::atomic<int64_t>& first,
-                 int64_t speculative_min_n, int64_t& fallbacks) {
+                 int64_t pieces_min_n, int64_t& fallbacks) {
   switch (dtype) {
     case ScalarType::Float:
       solve_all<float, false>(static_cast<const float*>(L), static_cast<const float*>(D),
                               static_cast<const float*>(U), static_cast<const float*>(B),
-                              static_cast<float*>(X), nsys, n, k, first, speculative_min_n,
+                              static_cast<float*>(X), nsys, n, k, first, pieces_min_n,
                               fallbacks);
       break;
     case ScalarType::Double:
       solve_all<double, false>(static_cast<const double*>(L), static_cast<const double*>(D),
                                static_cast<const double*>(U), static_cast<const double*>(B),
-                               static_cast<double*>(X), nsys, n, k, first, speculative_min_n,
+                               static_cast<double*>(X), nsys, n, k, first, pieces_min_n,
                               fallbacks);
       break;
     case ScalarType::ComplexFloat:  // interleaved (re, im) pairs, read as reals
       solve_all<float, true>(static_cast<const float*>(L), static_cast<const float*>(D),
                              static_cast<const float*>(U), static_cast<const float*>(B),
-                             static_cast<float*>(X), nsys, n, k, first, speculative_min_n,
+                             static_cast<float*>(X), nsys, n, k, first, pieces_min_n,
                               fallbacks);
       break;
     default:
       solve_all<double, true>(static_cast<const double*>(L), static_cast<const double*>(D),
                               static_cast<const double*>(U), static_cast<const double*>(B),
-                              static_cast<double*>(X), nsys, n, k, first, speculative_min_n,
+                              static_cast<double*>(X), nsys, n, k, first, pieces_min_n,
                               fallbacks);
   }
 }
@@ -1520,7 +1277,7 @@ std::vector<int64_t> sizes_of(const Tensor& t) {
 // cpp_solve_ex without its third output: x and info, and the count of fallbacks in `fallbacks`.
 std::tuple<Tensor, Tensor> solve_counted(const Tensor& lower, const Tensor& diag,
                                          const Tensor& upper, const Tensor& rhs,
-                                         int64_t speculative_min_n, int64_t& fallbacks) {
+                                         int64_t pieces_min_n, int64_t& fallbacks) {
   const Sizes z = check_inputs(lower, diag, upper, rhs);
   const ScalarType dtype = diag.scalar_type();
   const bool c = is_complex(dtype);
@@ -1531,21 +1288,20 @@ std::tuple<Tensor, Tensor> solve_counted(const Tensor& lower, const Tensor& diag
   if (z.nsys > 0) {
     solve_dtype(dtype, l.const_data_ptr(), d.const_data_ptr(), u.const_data_ptr(),
                 b.const_data_ptr(), x.mutable_data_ptr(), z.nsys, z.n, z.k, first,
-                speculative_min_n, fallbacks);
+                pieces_min_n, fallbacks);
   }
   return {x, info_tensor(b, first)};
 }
 
-// cpp_solve_ex(lower, diag, upper, rhs, speculative_min_n) -> (x, info, fallbacks): cpp_solve
-// with the size from which one real system (or each of fewer than W) goes to the speculative
-// kernel (cpp_solve: kSpeculativeMinN), and how many such systems were not solved by it alone (a
-// repair went through a whole piece, or the system went to the sequential elimination), as a
-// 0-dim int64 tensor.
+// cpp_solve_ex(lower, diag, upper, rhs, pieces_min_n) -> (x, info, fallbacks): cpp_solve
+// with the size from which one real system (or each of fewer than W) goes to the pieces kernel
+// (cpp_solve: kPiecesMinN), and how many such systems it handed to the sequential elimination,
+// as a 0-dim int64 tensor.
 std::tuple<Tensor, Tensor, Tensor> cpp_solve_ex(const Tensor& lower, const Tensor& diag,
                                                 const Tensor& upper, const Tensor& rhs,
-                                                int64_t speculative_min_n) {
+                                                int64_t pieces_min_n) {
   int64_t fallbacks = 0;
-  auto [x, info] = solve_counted(lower, diag, upper, rhs, speculative_min_n, fallbacks);
+  auto [x, info] = solve_counted(lower, diag, upper, rhs, pieces_min_n, fallbacks);
   Tensor count = torch::stable::new_empty(info, {}, ScalarType::Long);
   *count.mutable_data_ptr<int64_t>() = fallbacks;
   return {x, info, count};
@@ -1555,14 +1311,20 @@ std::tuple<Tensor, Tensor, Tensor> cpp_solve_ex(const Tensor& lower, const Tenso
 std::tuple<Tensor, Tensor> cpp_solve(const Tensor& lower, const Tensor& diag, const Tensor& upper,
                                      const Tensor& rhs) {
   int64_t fallbacks = 0;
-  return solve_counted(lower, diag, upper, rhs, kSpeculativeMinN, fallbacks);
+  return solve_counted(lower, diag, upper, rhs, kPiecesMinN, fallbacks);
 }
 
 // The bands of -v x^H summed over the k columns (rules.band_gradients), for nsys systems of n
 // rows, v and x (nsys, n, k) C-contiguous (complex: interleaved parts):
 //   grad_lower[i] = -sum_j v[i+1, j] conj(x[i, j]), grad_diag[i] = -sum_j v[i, j] conj(x[i, j]),
 //   grad_upper[i] = -sum_j v[i, j] conj(x[i+1, j]).
-// One pass over v and x in chunks of rows (spread over the threads), three short loops a chunk.
+// One pass over v and x in chunks of rows, three short loops a chunk. The pass is a few
+// nanoseconds a row, so threads share it only in chunks of kBandRowsPerThread rows: with a
+// shorter share, a thread on a core that another process keeps busy stalls the whole pass (one
+// system of 1e5 rows, forward + backward on two threads with one core busy: 3.5 times the time
+// on one thread, when every 16384 rows went to a thread).
+constexpr int64_t kBandRowsPerThread = int64_t(1) << 22;
+
 template <typename R, bool Complex>
 void band_products(const R* V, const R* X, R* GL, R* GD, R* GU, int64_t nsys, int64_t n,
                    int64_t k) {
@@ -1585,7 +1347,7 @@ void band_products(const R* V, const R* X, R* GL, R* GD, R* GU, int64_t nsys, in
     }
   };
   const int64_t row = k * C;  // values per row of v and x
-  torch::stable::parallel_for(0, nsys * n, 16384, [&](int64_t begin, int64_t end) {
+  torch::stable::parallel_for(0, nsys * n, kBandRowsPerThread, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end;) {
       const int64_t s = r / n, i0 = r - s * n, i1 = std::min(n, i0 + (end - r));
       const R* v = V + s * n * row;
@@ -1630,8 +1392,8 @@ Tensor adjoint_band(const Tensor& t, bool complex) {
 
 // cpp_solve_backward(lower, diag, upper, x, grad_x) -> (grad_lower, grad_diag, grad_upper,
 // grad_rhs, info): the reverse mode of x = A^{-1} rhs on this kernel, in one call. grad_rhs is
-// v = A^{-H} grad_x, one solve with A^H's bands (the speculative kernel for one large real
-// system, as cpp_solve), and the band gradients are the bands of -v x^H summed over the columns
+// v = A^{-H} grad_x, one solve with A^H's bands (the pieces kernel for one large real system,
+// as cpp_solve), and the band gradients are the bands of -v x^H summed over the columns
 // (band_products). x and grad_x have rhs's shape, (*B, n) or (*B, n, k); everything is checked
 // before it is read, as in cpp_solve, and info is cpp_solve's, for A^H.
 std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> cpp_solve_backward(
@@ -1659,7 +1421,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> cpp_solve_backward(
   if (z.nsys > 0) {
     solve_dtype(dtype, l.const_data_ptr(), d.const_data_ptr(), u.const_data_ptr(),
                 g.const_data_ptr(), v.mutable_data_ptr(), z.nsys, z.n, z.k, first,
-                kSpeculativeMinN, fallbacks);
+                kPiecesMinN, fallbacks);
     switch (dtype) {
       case ScalarType::Float: band_products_of<float, false>(v, xs, g3, z); break;
       case ScalarType::Double: band_products_of<double, false>(v, xs, g3, z); break;
@@ -1715,7 +1477,7 @@ STABLE_TORCH_LIBRARY(tridiag_tutorial, m) {
         "Tensor? pivots, str trans, str driver) -> Tensor");
   m.def("lu_factor(Tensor lower, Tensor diag, Tensor upper, str driver) -> (Tensor, Tensor)");
   m.def("cpp_solve(Tensor lower, Tensor diag, Tensor upper, Tensor rhs) -> (Tensor, Tensor)");
-  m.def("cpp_solve_ex(Tensor lower, Tensor diag, Tensor upper, Tensor rhs, int speculative_min_n) "
+  m.def("cpp_solve_ex(Tensor lower, Tensor diag, Tensor upper, Tensor rhs, int pieces_min_n) "
         "-> (Tensor, Tensor, Tensor)");
   m.def("cpp_solve_backward(Tensor lower, Tensor diag, Tensor upper, Tensor x, Tensor grad_x) "
         "-> (Tensor, Tensor, Tensor, Tensor, Tensor)");
