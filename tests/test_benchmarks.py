@@ -364,7 +364,6 @@ def test_quick_one_system_experiment(tmp_path):
     impls = {r["impl"] for r in rows}
     assert {benchmarks.RAW_GTSV, benchmarks.FLOOR, benchmarks.FINAL} <= impls
     assert (benchmarks.LARGE_KERNEL in impls) == compiled.is_available()
-    assert benchmarks.SPECULATIVE not in impls  # the label of older files only
     assert {r["mode"] for r in rows} == {"forward", "backward"}
     assert {(r["family"], r["busy"]) for r in rows} == {
         (f, False) for f in benchmarks.QUICK_FAMILIES}

@@ -568,7 +568,7 @@ def run_time_stepping(cases=STEP_CASES, steps=STEPS, dtypes=(torch.float64,), th
 
 # The compiled kernel against LAPACK and JAX: forward only, float64, one right-hand side; each
 # case's implementations timed in alternation. JAX is timed when it is installed (never required).
-ONE_CHAIN = 2**62  # speculative_min_n that keeps every system on the interleaved elimination
+ONE_CHAIN = 2**62  # pieces_min_n that keeps every system on the interleaved elimination
 COMPILED_CASES = [(256, 1024), (64, 16384), (8, 100000), (10**5, 0), (10**6, 0)]  # (n, batch)
 
 
@@ -576,7 +576,7 @@ def run_compiled_kernel(cases=COMPILED_CASES, threads=(1, None), min_time=0.2, r
                         log=print, recorder=None):
     """Time the compiled kernel's interleaved elimination (the op built at install,
     ``torch.ops.tridiag_tutorial.cpp_solve_ex``, through :func:`tridiag_tutorial.compiled.solve_ex`
-    with the speculative solve off, so that one system is one chain: chapter 12 compares the
+    with the solve in pieces off, so that one system is one chain: chapter 12 compares the
     two), a Python loop of raw ``dgtsv``, the joined ``lapack.solve`` and, if installed, JAX,
     forward only, float64. Returns rows with ``seconds``, ``ns_per_unknown`` and ``ratio`` to the
     ``dgtsv`` loop. Raises ``RuntimeError`` where the C++ kernel was not built. ``recorder``: as
@@ -585,10 +585,8 @@ def run_compiled_kernel(cases=COMPILED_CASES, threads=(1, None), min_time=0.2, r
     if not compiled.is_available():
         raise RuntimeError(compiled._missing_message())
 
-    threshold = {_size_keyword(): ONE_CHAIN}
-
     def op(*matrix):
-        return compiled.solve_ex(*matrix, **threshold)
+        return compiled.solve_ex(*matrix, pieces_min_n=ONE_CHAIN)
     recorder = recorder or _NO_RECORDER
     recorder.begin([dict(threads=count, n=n, batch=batch)
                     for count in _thread_count_values(threads) for n, batch in cases])
@@ -993,8 +991,6 @@ BUSY_SETTLE = 0.3  # seconds busy_core waits for its spinner to run
 RAW_GTSV = "raw ?gtsv (SciPy)"
 FLOOR = "memory floor (a copy of the same bytes)"
 LARGE_KERNEL = "C++ large-system kernel (compiled.solve_ex)"
-# The same row's label in files written before the kernel was renamed (readers of older rows).
-SPECULATIVE = "C++ speculative kernel (compiled.solve_ex)"
 
 
 def run_against_jax(cases=AGAINST_JAX_CASES, dtypes=(torch.float32, torch.float64),
@@ -1316,19 +1312,9 @@ def _working(fns: dict):
     return ok, errors
 
 
-def _kernel_min_n() -> int | None:
-    """From how many unknowns one real system goes to the C++ large-system kernel (the name of
-    the constant changes: ``PIECES_MIN_N``, earlier ``SPECULATIVE_MIN_N``)."""
-    value = getattr(compiled, "PIECES_MIN_N", None)
-    return getattr(compiled, "SPECULATIVE_MIN_N", None) if value is None else value
-
-
-def _size_keyword() -> str:
-    """The name of :func:`compiled.solve_ex`'s size threshold: ``pieces_min_n``, earlier
-    ``speculative_min_n``."""
-    import inspect
-    params = inspect.signature(compiled.solve_ex).parameters
-    return "pieces_min_n" if "pieces_min_n" in params else "speculative_min_n"
+def _kernel_min_n() -> int:
+    """From how many unknowns one real system goes to the C++ kernel's solve in pieces."""
+    return compiled.PIECES_MIN_N
 
 
 def _family_modes(family: str, modes, backward_families) -> list:
@@ -1543,8 +1529,8 @@ def format_one_system(rows, width=None) -> str:
 def _short(impl: str) -> str:
     """A short label of one of the final op's rows, for the log."""
     return {FINAL: "as installed", FINAL_LAPACK: "lapack", COMPILED_FINAL: "compiled",
-            RAW_GTSV: "gtsv", FLOOR: "floor", JAX_IMPL: "jax", LARGE_KERNEL: "large kernel",
-            SPECULATIVE: "speculative"}.get(impl, impl)
+            RAW_GTSV: "gtsv", FLOOR: "floor", JAX_IMPL: "jax", LARGE_KERNEL: "large kernel"
+            }.get(impl, impl)
 
 
 def format_against_jax(rows) -> str:

@@ -644,8 +644,10 @@ def tridiagonal_solve(lower: torch.Tensor, diag: torch.Tensor, upper: torch.Tens
         RuntimeError: ``driver="cpp"`` where the C++ kernel was not built.
 
     With ``driver=None``, a CPU solve runs on the C++ kernel (the same arithmetic as LAPACK's
-    ``?gtsv``, bit for bit: on many systems at once, and one large real system cut into pieces
-    whose eliminations run side by side), except one complex system of more than 3000 unknowns,
+    ``?gtsv``, bit for bit, on many systems at once; one large real system is cut into pieces
+    whose eliminations run side by side, with other rounding, and handed back to ``?gtsv``'s
+    arithmetic where its answer cannot be vouched for), except one complex system of more than
+    3000 unknowns,
     and where the C++ kernel was not built: those run on LAPACK ``?gtsv``. A backward solves
     again with ``A^H`` on the same kernel. On other devices kernels in torch ops run: for ``n < 64`` the
     sequential kernel (the same pivoting), which, when a backward will follow, factors once and
