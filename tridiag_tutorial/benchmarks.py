@@ -1249,8 +1249,9 @@ class Spinner:
 def busy_core(core: int | None = None, settle: float = BUSY_SETTLE):
     """Keep one core busy while the block runs: another Python process spinning (``while True:
     pass``) pinned with ``os.sched_setaffinity`` to ``core`` (default: the last core this process
-    may use); yields a :class:`Spinner` once it has run for ``settle`` seconds, and kills and
-    waits for it on leaving the block, whatever ends it (an exception, an interrupt). Yields
+    may use); yields a ``Spinner`` (its ``pid``, ``core`` and ``process``) once it has run for
+    ``settle`` seconds, and kills and waits for it on leaving the block, whatever ends it (an
+    exception, an interrupt). Yields
     ``None``, starting nothing, where no core can be made busy beside this process: without
     ``os.sched_setaffinity``, or on one core."""
     cores = _cpu_cores()
