@@ -198,7 +198,7 @@ def solve_ex(lower: torch.Tensor, diag: torch.Tensor, upper: torch.Tensor, rhs: 
     """:func:`solve` with the size from which a real system (one, or each of a batch smaller than
     a block) goes to the pieces kernel, and the number of such systems it handed to the
     sequential kernel: ``(x, fallbacks)``. ``pieces_min_n=0`` sends every such system there
-    (pieces too short to pay are handed back); a large value, none."""
+    (its pieces are then at least 8 rows, padded with identity rows); a large value, none."""
     if _C is None:
         raise RuntimeError(_missing_message())
     x, info, fallbacks = torch.ops.tridiag_tutorial.cpp_solve_ex.default(

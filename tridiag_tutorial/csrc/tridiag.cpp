@@ -547,7 +547,6 @@ struct Lane<v8f> {
 // size as an argument.
 constexpr int64_t kPiecesMinN = 1024;
 constexpr int64_t kPieceRows = 512;   // the target m: a tile's scratch stays in the L2 cache
-constexpr int64_t kMinPieceRows = 8;  // below this the system is not cut
 constexpr double kTinyPivot = 16;
 constexpr double kCancellation = 1e3;
 constexpr int64_t kProbeTiles = 8;       // from this many tiles on, the first one decides early
@@ -912,7 +911,7 @@ TT_INLINE int run_pieces(const System<R>& A, R* X, int64_t m, int64_t P) {
         big[q * K + j] = mag[j * W + w];
       }
     }
-    if (t == 0 && tiles >= kProbeTiles && W > 1) {
+    if (t == 0 && tiles >= kProbeTiles) {
       // Decide early: the reduced system of the first tile's pieces, on a right-hand side of
       // ones. Where it amplifies that by more than kAmplification, the coupling decays too
       // slowly across a piece (tridiag(-1, 2, -1), say), and the rounding of the pieces,
@@ -1041,7 +1040,7 @@ int solve_pieces(const R* L, const R* D, const R* U, const R* B, R* X, int64_t n
     P += W;
     m = ((n + P - 1) / P + 7) / 8 * 8;
   }
-  if (m < kMinPieceRows || k < 1) return -1;
+  if (k < 1) return -1;
   const System<R> A{L, D, U, B, n, k};
 #if TT_HAVE_AVX2
   if (wide) return pieces_avx2(A, X, m, P);
