@@ -731,7 +731,9 @@ def test_memory_given_back_after_a_large_solve(entry):
         assert fallbacks == 0
     else:
         x = tridiagonal_solve(*args)
-    assert x.shape == (n, k) and bool(torch.isfinite(x).all())
+    # (finite: through the sum, which allocates nothing; an elementwise mask of x would be 32 MB
+    # of the test's own that the C library may keep on its heap after it is freed)
+    assert x.shape == (n, k) and bool(torch.isfinite(x.sum()))
     del x
     gc.collect()
     kept = resident_mb() - before
