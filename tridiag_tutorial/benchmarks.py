@@ -796,6 +796,115 @@ def run_cliffs(cases=CLIFF_CASES, threads=(1,), min_time=0.2, repeats=15, kernel
     return rows
 
 
+THREAD_BUDGET_CASES = [(100000, 8), (10000, 100), (1024, 256), (64, 4096),  # (batch, n)
+                       (2, 10**5), (3, 10**5), (4, 10**5), (2, 10**6), (4, 10**6)]
+THREAD_BUDGET_FAMILIES = ("dominant", "poisson")  # the pieces kernel's: solved, and handed back
+
+
+def _thread_budget_problem(batch: int, n: int, family: str, dtype: torch.dtype):
+    """``batch`` systems of ``family``: each system :func:`one_system_family` (seeds 0, 1, ...)
+    where the batch is small, else the suite's dominant problem (:func:`_problem`)."""
+    if batch <= 16:
+        systems = [one_system_family(family, n, dtype, seed=s) for s in range(batch)]
+        return [torch.stack(parts) for parts in zip(*systems)]
+    return list(_problem(n, batch, dtype))
+
+
+def run_thread_budget(cases=THREAD_BUDGET_CASES, dtypes=(torch.float32, torch.float64),
+                      families=THREAD_BUDGET_FAMILIES, busy=(False, True), threads=(1, 2),
+                      min_time=0.05, repeats=15, log=print, recorder=None):
+    """The C++ kernel's thread budget: ``tridiagonal_solve`` (``driver=None``) on the same inputs
+    at each of ``threads`` (torch's thread count), interleaved in this process (A B, B A, ...:
+    each block ``min_time`` seconds of calls after one untimed call, the median of ``repeats``
+    blocks), quiet and (``busy``) with :func:`busy_core` keeping the last core busy.
+
+    ``cases``: ``(batch, n)``. Batches of 16 systems or fewer are each of ``families`` (the
+    pieces kernel's few large systems; Poisson's it hands back to the sequential elimination);
+    larger ones are the suite's dominant problem, labelled ``dominant`` (the batch kernel, whose
+    operations do not depend on the values). One right-hand side.
+
+    Returns rows with ``batch``, ``n``, ``family``, ``dtype``, ``busy``, ``busy_core``,
+    ``threads`` (the count timed), ``seconds``, ``vs_one_thread`` (seconds / the one-thread
+    seconds of the same case and condition) and ``stalled_regions`` (the kernel's count of
+    parallel regions with a stalled thread during the case, :func:`compiled.thread_budget`).
+    Needs the C++ kernel. ``recorder``: as :func:`run`'s, a case (its rows timed together) at a
+    time."""
+    if not compiled.is_available():
+        raise RuntimeError("run_thread_budget needs the C++ kernel: " + compiled.missing_advice())
+    recorder = recorder or _NO_RECORDER
+    counts = [int(t) for t in threads]
+    dnames = {str(d).replace("torch.", ""): d for d in dtypes}
+
+    def plan(is_busy):
+        return [(batch, n, family, dname) for batch, n in cases
+                for family in (families if batch <= 16 else ("dominant",)) for dname in dnames]
+
+    def unit(batch, n, family, dname, is_busy):
+        return dict(batch=batch, n=n, family=family, dtype=dname, busy=is_busy)
+
+    conditions = list(dict.fromkeys(bool(b) for b in busy))
+    recorder.begin([unit(*case, b) for b in conditions for case in plan(b)])
+    rows = []
+    default = torch.get_num_threads()
+    try:
+        for is_busy in conditions:
+            with (busy_core() if is_busy else contextlib.nullcontext()) as spinner:
+                for batch, n, family, dname in plan(is_busy):
+                    if recorder.done(unit(batch, n, family, dname, is_busy)):
+                        continue
+                    args = _thread_budget_problem(batch, n, family, dnames[dname])
+
+                    def call():
+                        tridiagonal_solve(*args)
+
+                    torch.set_num_threads(counts[0])
+                    call()
+                    number = _calls_per_block(_timer(call), min_time)
+                    times = {c: [] for c in counts}
+                    stalled0 = compiled.thread_budget().stalled_regions
+                    for r in range(repeats):
+                        for c in (counts if r % 2 == 0 else counts[::-1]):
+                            torch.set_num_threads(c)
+                            call()
+                            start = time.perf_counter()
+                            for _ in range(number):
+                                call()
+                            times[c].append((time.perf_counter() - start) / number)
+                    stalled = compiled.thread_budget().stalled_regions - stalled0
+                    medians = {c: statistics.median(t) for c, t in times.items()}
+                    case = [dict(batch=batch, n=n, family=family, dtype=dname, busy=is_busy,
+                                 busy_core=None if spinner is None else spinner.core,
+                                 threads=c, seconds=medians[c],
+                                 vs_one_thread=medians[c] / medians[counts[0]],
+                                 stalled_regions=stalled) for c in counts]
+                    rows += case
+                    log(f"  thread budget  {_load_text(is_busy, spinner and spinner.core):5s} "
+                        f"{batch:>6d} x {n:<7d} {family:9s} {dname:7s} " + "  ".join(
+                            f"{c} thr {medians[c] * 1e3:8.3f} ms" for c in counts)
+                        + f"  ratio {case[-1]['vs_one_thread']:.2f}  stalled {stalled}")
+                    recorder.add(case, f"thread budget {batch} x {n} {family} {dname}")
+    finally:
+        torch.set_num_threads(default)
+    return rows
+
+
+def format_thread_budget(rows) -> str:
+    """The rows of :func:`run_thread_budget` as a table: per case and condition, the time at
+    each thread count over the one-thread time."""
+    counts = sorted({r["threads"] for r in rows})
+    lines = ["thread budget: seconds at each thread count / one thread's (same case, condition)",
+             f"{'load':5s} {'batch x n':>16s} {'family':9s} {'dtype':7s} "
+             + " ".join(f"{c:>3d} thr" for c in counts)]
+    by_case = {}
+    for r in rows:
+        key = (r["busy"], r["batch"], r["n"], r["family"], r["dtype"])
+        by_case.setdefault(key, {})[r["threads"]] = r["vs_one_thread"]
+    for (is_busy, batch, n, family, dname), ratios in by_case.items():
+        lines.append(f"{'busy' if is_busy else 'quiet':5s} {f'{batch} x {n}':>16s} {family:9s} "
+                     f"{dname:7s} " + " ".join(_ratio_text(ratios.get(c), 7) for c in counts))
+    return "\n".join(lines)
+
+
 def _case(row) -> tuple:
     """What a result row measured: implementation, mode, compiled or not, shape, dtype, threads."""
     return tuple(row.get(k) for k in ("impl", "mode", "compiled", "n", "batch", "dtype",
@@ -1969,13 +2078,14 @@ UNIT_FIELDS = {
     "routes": ("threads", "n", "batch", "mode"),
     "against_jax": ("dtype", "threads", "busy", "family", "n", "batch", "mode"),
     "one_system": ("dtype", "threads", "busy", "family", "n"),
+    "thread_budget": ("batch", "n", "family", "dtype", "busy"),
 }
 # A unit field that rows stored before it existed lack: its value in those rows.
 UNIT_DEFAULTS = dict(FAMILY_DEFAULTS)
 SUITE_NAMES = {"results": "main suite", "time_stepping": "time stepping",
                "compiled_kernel": "compiled kernel", "torch_kernels": "torch kernels",
                "cliffs": "cliffs", "routes": "routes", "against_jax": "against JAX",
-               "one_system": "one system"}
+               "one_system": "one system", "thread_budget": "thread budget"}
 # what a unit is called in each suite's messages
 UNIT_WORDS = {"results": "rows", "time_stepping": "rows"}  # else "cases"
 # machine_info()'s entries that may change between two parts of one measurement (the rows
@@ -2304,6 +2414,11 @@ def _parser() -> argparse.ArgumentParser:
                         help="the conditions of the one-system experiment and of the comparison "
                              "with JAX: quiet, busy (another process spinning on one core while "
                              "they measure) or both (default: both; --quick: quiet)")
+    parser.add_argument("--thread-budget-only", action="store_true",
+                        help="run only the C++ kernel's thread budget: one thread against two "
+                             "on the same inputs, quiet and with a core busy (run_thread_budget; "
+                             "--busy picks the conditions); with --merge, keep the rest of the "
+                             "merged file")
     parser.add_argument("--torch-kernels-only", action="store_true",
                         help="run only the experiment on the kernels in torch ops "
                              "(run_torch_kernels); with --merge, keep the rest of the merged file")
@@ -2383,9 +2498,12 @@ def _measure(opts, report) -> list:
              dict(threads="1,2", extra=_family_options(opts))),
             ("routes_only", "routes", run_routes, [(100, 0), (8, 16)], dict(threads="1")),
             ("jax_only", "against_jax", run_against_jax, [(8, 16), (100, 0)],
-             _against_jax_options(opts))]
+             _against_jax_options(opts)),
+            ("thread_budget_only", "thread_budget", run_thread_budget, [(64, 4096), (2, 10**5)],
+             dict(quick_extra=dict(families=("dominant",), dtypes=(torch.float64,)),
+                  extra=dict(threads=(1, 2), busy=BUSY_CHOICES[opts.busy or "both"])))]
     tables = {"one_system": format_one_system, "routes": format_routes,
-              "against_jax": format_against_jax}
+              "against_jax": format_against_jax, "thread_budget": format_thread_budget}
     for switch, key, experiment, quick_cases, options in only:
         if getattr(opts, switch):
             rows = _main_experiment(opts, report, key, experiment, quick_cases, **options)

@@ -45,12 +45,13 @@ op's C++ fast path calls in its backward.
 from __future__ import annotations
 
 import os
+from typing import NamedTuple
 
 import torch
 
 from ._validation import SingularMatrixError
 
-__all__ = ["is_available", "library_path", "solve", "solve_ex", "solve_backward", "PIECES_MIN_N",
+__all__ = ["is_available", "library_path", "thread_budget", "ThreadBudget", "solve", "solve_ex", "solve_backward", "PIECES_MIN_N",
            "BUILD_ERROR", "repair_command"]
 
 # One real system of this size or more goes to the pieces kernel (the C++ op cpp_solve uses the
@@ -173,6 +174,29 @@ def library_path() -> str:
     if _C is None:
         raise RuntimeError(_missing_message())
     return _C.__file__
+
+
+class ThreadBudget(NamedTuple):
+    """What :func:`thread_budget` reports."""
+    stalled_regions: int
+    """Parallel regions of the kernel, since the library loaded, in which a pool thread lost more
+    than a fifth of the region (and 0.3 ms) off the CPU: another process had its core."""
+    solo_seconds_left: float
+    """How long the kernel's parallel regions still run on the calling thread alone (0: they use
+    torch's thread pool)."""
+
+
+def thread_budget() -> ThreadBudget:
+    """The C++ kernel's thread budget. Each of its parallel regions (the batch kernel's blocks,
+    the few large systems of the pieces kernel) measures the time its threads spent off the CPU;
+    after two regions in a row in which a thread stalled, regions run on the calling thread alone
+    for 50 ms, then try the pool again, doubling that time (up to 2 s) while the tries stall.
+    Threads claim the region's work in chunks, so a slower thread takes fewer. The pool's size
+    is still ``torch.get_num_threads()``."""
+    if _C is None:
+        raise RuntimeError(_missing_message())
+    stalled, solo_ns = _C.thread_budget()
+    return ThreadBudget(int(stalled), solo_ns / 1e9)
 
 
 def _missing_message() -> str:

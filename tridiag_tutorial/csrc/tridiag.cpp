@@ -51,9 +51,10 @@
 // GCC/Clang vector types (16-byte SSE2 vectors of 2 doubles or 4 floats on plain x86-64, W / VL
 // of them side by side), and the pivot choice is a select, not a branch. The gain is mostly
 // that the W systems' eliminations are independent chains of divisions, which the CPU overlaps,
-// where one system's elimination is a single chain that waits for each division. Blocks are
-// distributed over threads with torch::stable::parallel_for (at::parallel_for underneath); the
-// last block is padded with identity systems. Fewer than W systems (one large system, say) use
+// where one system's elimination is a single chain that waits for each division. Blocks go to
+// torch's threads in one parallel region (torch::stable::parallel_for), claimed in chunks from a
+// shared counter and with a thread budget that leaves the pool while its threads stall
+// (claim_chunks); the last block is padded with identity systems. Fewer than W systems use
 // the same code with W = 1, each system solved in place in the output, up to kPiecesMinN
 // unknowns; from there on a real system goes to the pieces kernel below, which cuts it into
 // pieces, eliminates them side by side and joins them through a small reduced system: its
@@ -77,11 +78,13 @@
 #include <algorithm>
 #include <array>
 #include <atomic>
+#include <chrono>
 #include <cmath>
 #include <complex>
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
+#include <ctime>
 #include <limits>
 #include <memory>
 #include <optional>
@@ -101,8 +104,15 @@ extern "C" {
 // An empty module tridiag_tutorial._C: importing it loads this library, whose static
 // initialisers register the ops below (pytorch/extension-cpp's way). Py_LIMITED_API (CPython 3.10's
 // limited API, set by torch's BuildExtension): one build serves every CPython from 3.10 on.
+// Its one function, thread_budget(), reports the thread budget (see claim_chunks below).
+PyObject* thread_budget(PyObject*, PyObject*);
 PyMODINIT_FUNC PyInit__C(void) {
-  static struct PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "_C", nullptr, -1, nullptr};
+  static PyMethodDef methods[] = {
+      {"thread_budget", thread_budget, METH_NOARGS,
+       "(stalled_regions, solo_ns_left): parallel regions in which a pool thread stalled, and "
+       "how long regions still run on the calling thread alone."},
+      {nullptr, nullptr, 0, nullptr}};
+  static struct PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "_C", nullptr, -1, methods};
   return PyModule_Create(&module_def);
 }
 }
@@ -1049,6 +1059,124 @@ int solve_pieces(const R* L, const R* D, const R* U, const R* B, R* X, int64_t n
 }
 
 
+// Work on the indices [0, count) in one parallel region, in chunks of `chunk` indices. Each pool
+// thread that torch::stable::parallel_for starts calls worker(next) once: it sets up its
+// workspace, then takes indices while next(i) returns true. The chunks are claimed one at a time
+// from a shared counter, so a thread that runs slower takes fewer of them instead of holding up
+// the others with a fixed share, as a static split does.
+class NextIndex {
+ public:
+  NextIndex(std::atomic<int64_t>& counter, int64_t count, int64_t chunk)
+      : counter_(counter), count_(count), chunk_(chunk) {}
+  bool operator()(int64_t& i) {
+    if (at_ == end_) {
+      at_ = counter_.fetch_add(chunk_);
+      if (at_ >= count_) {
+        at_ = end_;
+        return false;
+      }
+      end_ = std::min(count_, at_ + chunk_);
+    }
+    i = at_++;
+    return true;
+  }
+
+ private:
+  std::atomic<int64_t>& counter_;
+  const int64_t count_, chunk_;
+  int64_t at_ = 0, end_ = 0;
+};
+
+// The thread budget. On a machine where another process keeps a core busy, a pool thread shares
+// a core: it runs at a fraction of its speed and waits out the other process's time slices
+// (milliseconds), and the region ends only when it does. Two threads then took up to twice one
+// thread's time. So each region measures, per thread, the time it spent off the CPU (wall time
+// since the region began minus the thread's CPU time). A region stalled where a thread lost more
+// than kStallNs and more than a fifth of the region. After two stalled regions in a row (one
+// alone can be a passing disturbance), regions run on the calling thread alone for a while, then
+// one tries the pool again. While the tries stall, the while doubles, from kSoloMinNs to
+// kSoloMaxNs; a try that does not stall brings the pool back and halves the while that the next
+// stall starts (a lucky try under a lasting load does not start the doubling over). Under a
+// lasting load that costs one stalled region in kSoloMaxNs; the threads come back at most
+// kSoloMaxNs after the other process ends.
+constexpr int64_t kStallNs = 300000;        // 0.3 ms: above a pool thread's wake-up when quiet
+constexpr int64_t kSoloMinNs = 50000000;    // 50 ms
+constexpr int64_t kSoloMaxNs = 2000000000;  // 2 s
+std::atomic<int64_t> g_solo_until{0};       // steady-clock ns: regions run alone until then
+std::atomic<int64_t> g_solo_for{0};         // the while the next stall starts; 0: two stalls
+std::atomic<int> g_stalled_in_a_row{0};
+std::atomic<int64_t> g_stalled_regions{0};  // regions that saw a thread stall, for the tests
+
+int64_t wall_ns() {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(
+             std::chrono::steady_clock::now().time_since_epoch())
+      .count();
+}
+
+}  // namespace
+
+extern "C" PyObject* thread_budget(PyObject*, PyObject*) {
+  const int64_t left = g_solo_until.load(std::memory_order_relaxed) - wall_ns();
+  return Py_BuildValue("(LL)", static_cast<long long>(g_stalled_regions.load()),
+                       static_cast<long long>(std::max<int64_t>(0, left)));
+}
+
+namespace {
+
+// This thread's CPU time, or -1 where the platform cannot say (then nothing is measured).
+int64_t thread_cpu_ns() {
+#if defined(CLOCK_THREAD_CPUTIME_ID)
+  timespec ts;
+  if (clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts) == 0) {
+    return static_cast<int64_t>(ts.tv_sec) * 1000000000 + ts.tv_nsec;
+  }
+#endif
+  return -1;
+}
+
+template <typename Worker>
+void claim_chunks(int64_t count, int64_t chunk, const Worker& worker) {
+  if (count <= 0) return;
+  chunk = std::max<int64_t>(1, chunk);
+  std::atomic<int64_t> counter{0};
+  const int64_t chunks = (count + chunk - 1) / chunk;
+  const bool solo = chunks == 1 || torch::stable::get_num_threads() <= 1 ||
+                   wall_ns() < g_solo_until.load(std::memory_order_relaxed);
+  if (solo) {
+    NextIndex next(counter, count, chunk);
+    worker(next);
+    return;
+  }
+  std::atomic<bool> stalled{false};
+  const int64_t start = wall_ns();
+  torch::stable::parallel_for(0, chunks, 1, [&](int64_t, int64_t) {
+    const int64_t cpu0 = thread_cpu_ns();
+    NextIndex next(counter, count, chunk);
+    worker(next);
+    const int64_t cpu1 = thread_cpu_ns();
+    const int64_t wall = wall_ns() - start;
+    const int64_t lost = wall - (cpu1 - cpu0);
+    if (cpu0 >= 0 && cpu1 >= 0 && lost > kStallNs && 5 * lost > wall) {
+      stalled.store(true, std::memory_order_relaxed);
+    }
+  });
+  if (!stalled.load(std::memory_order_relaxed)) {
+    g_stalled_in_a_row.store(0, std::memory_order_relaxed);
+    const int64_t half = g_solo_for.load(std::memory_order_relaxed) / 2;
+    g_solo_for.store(half < kSoloMinNs ? 0 : half, std::memory_order_relaxed);
+    return;
+  }
+  g_stalled_regions.fetch_add(1, std::memory_order_relaxed);
+  const int in_a_row = g_stalled_in_a_row.fetch_add(1, std::memory_order_relaxed) + 1;
+  const int64_t last = g_solo_for.load(std::memory_order_relaxed);
+  if (last > 0 || in_a_row >= 2) {  // a stall soon after others, or two stalls in a row
+    const int64_t next = last > 0 ? std::min(2 * last, kSoloMaxNs) : kSoloMinNs;
+    g_solo_for.store(next, std::memory_order_relaxed);
+    g_solo_until.store(wall_ns() + next, std::memory_order_relaxed);
+  }
+}
+
+
 // Solve nsys systems of size n with k right-hand sides. L, D, U, Bm, X are the contiguous
 // inputs and output as reals (complex: interleaved parts). first: min over singular systems of
 // system * n + pivot.
@@ -1068,8 +1196,8 @@ void solve_all(const R* L, const R* D, const R* U, const R* Bm, R* X, int64_t ns
       // A few large systems, each on the pieces kernel by one thread (a system is enough work
       // for one); a system it hands back is solved below, sequentially.
       std::vector<char> handed_back(nsys, 0);
-      torch::stable::parallel_for(0, nsys, 1, [&](int64_t begin, int64_t end) {
-        for (int64_t s = begin; s < end; ++s) {
+      claim_chunks(nsys, 1, [&](NextIndex& next) {
+        for (int64_t s; next(s);) {
           handed_back[s] = solve_pieces<R>(L + s * band, D + s * dsize, U + s * band,
                                            Bm + s * bsize, X + s * bsize, n, k) != 0;
         }
@@ -1088,12 +1216,12 @@ void solve_all(const R* L, const R* D, const R* U, const R* Bm, R* X, int64_t ns
     // Few systems (one large system, say): W = 1, each system solved in place in the output.
     const int64_t grain = std::max<int64_t>(1, (1 << 15) / work);
     const int64_t count = static_cast<int64_t>(sequential.size());
-    torch::stable::parallel_for(0, count, grain, [&](int64_t begin, int64_t end) {
+    claim_chunks(count, grain, [&](NextIndex& next) {
       std::unique_ptr<R[]> ws(new R[3 * dsize]);  // uninitialised: every element is written below
       R* d = ws.get();
       R* du = d + dsize;
       R* dl = du + dsize;
-      for (int64_t t = begin; t < end; ++t) {
+      for (int64_t t; next(t);) {
         const int64_t s = sequential[t];
         std::copy(D + s * dsize, D + (s + 1) * dsize, d);
         std::copy(U + s * band, U + (s + 1) * band, du);
@@ -1113,13 +1241,13 @@ void solve_all(const R* L, const R* D, const R* U, const R* Bm, R* X, int64_t ns
   }
   const int64_t nblocks = (nsys + W - 1) / W;
   const int64_t grain = std::max<int64_t>(1, (1 << 15) / (work * W));
-  torch::stable::parallel_for(0, nblocks, grain, [&](int64_t begin, int64_t end) {
+  claim_chunks(nblocks, grain, [&](NextIndex& next) {
     std::unique_ptr<R[]> ws(new R[(3 * dsize + bsize) * W]);  // uninitialised, filled below
     R* d = ws.get();
     R* du = d + dsize * W;
     R* dl = du + dsize * W;
     R* b = dl + dsize * W;
-    for (int64_t blk = begin; blk < end; ++blk) {
+    for (int64_t blk; next(blk);) {
       const int64_t s0 = blk * W;
       const int m = static_cast<int>(std::min<int64_t>(W, nsys - s0));
       for (int w = 0; w < m; ++w) {
