@@ -29,7 +29,8 @@ from tridiag_tutorial import (
 from conftest import require_cpp
 
 ONLY_SWITCHES = ["--steps-only", "--compiled-only", "--jax-only", "--cliffs-only",
-                 "--routes-only", "--torch-kernels-only", "--one-system-only"]
+                 "--routes-only", "--torch-kernels-only", "--one-system-only",
+                 "--thread-budget-only"]
 
 
 @pytest.fixture(scope="module")
@@ -376,6 +377,29 @@ def test_quick_one_system_experiment(tmp_path):
         if r["mode"] == "backward":
             assert r["vs_gtsv"] is None
             assert r["impl"] not in (benchmarks.RAW_GTSV, benchmarks.FLOOR)
+
+
+def test_quick_thread_budget_experiment(tmp_path):
+    """--thread-budget-only times one thread against two on the same inputs, quiet and with a
+    core busy (where one can be made busy): a row per thread count, the one-thread row the
+    baseline of the same case and condition; --quick: the dominant family, float64."""
+    require_cpp()
+    saved = run_merged_experiment(tmp_path, "--thread-budget-only")
+    assert saved["thread_budget_machine"]
+    rows = saved["thread_budget"]
+    assert {(r["batch"], r["n"]) for r in rows} == {(64, 4096), (2, 10**5)}
+    assert {r["family"] for r in rows} == {"dominant"} and {r["dtype"] for r in rows} == {
+        "float64"}
+    assert {r["busy"] for r in rows} == {False, True}
+    for key in {(r["batch"], r["n"], r["busy"]) for r in rows}:
+        case = {r["threads"]: r for r in rows if (r["batch"], r["n"], r["busy"]) == key}
+        assert set(case) == {1, 2}
+        assert case[1]["vs_one_thread"] == 1.0
+        assert case[2]["vs_one_thread"] == pytest.approx(case[2]["seconds"] / case[1]["seconds"])
+        assert all(r["seconds"] > 0 and r["stalled_regions"] >= 0 for r in case.values())
+    text = benchmarks.format_thread_budget(rows)
+    assert max(len(line) for line in text.splitlines()) <= 100
+    assert "2 x 100000" in text and "64 x 4096" in text
 
 
 def test_large_kernel_rows_compute_the_gradients_of_the_final_op():

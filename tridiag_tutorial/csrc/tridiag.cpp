@@ -489,13 +489,18 @@ void record_singular(std::atomic<int64_t>& first, int64_t code) {
 //      b_q     + v_q[m-1] b_{q-1} + w_q[m-1] t_{q+1} = y_q[m-1]
 //      t_{q+1} + v_{q+1}[0] b_q   + w_{q+1}[0] t_{q+2} = y_{q+1}[0]
 //    2 (P - 1) unknowns in a band two wide on each side: banded elimination with partial pivoting.
-// 3. Each piece again, its neighbours' values moved to the right-hand side: the same elimination
-//    on the caller's k columns, the whole back substitution, into X.
+// 3. Each piece's answer from its columns: x = y - v b_{q-1} - w t_{q+1} (step 1 left y in X and
+//    v and w in a buffer of 2 P m values). Where that cancels, x would carry the rounding of y,
+//    v and w magnified: in a tile with a piece whose max|x| is more than kCombine times smaller
+//    than max|y| + max|v| |b_{q-1}| + max|w| |t_{q+1}| (spikes that decay slowly, say), each
+//    piece is solved again instead, its neighbours' values moved to the right-hand side: the
+//    same elimination on the caller's k columns and the whole back substitution, into X.
 //
-// About twice ?gtsv's arithmetic, in W independent chains (8 doubles or 16 floats a tile) where
-// ?gtsv has one. The memory it takes besides X is a tile's scratch and a few values a piece,
-// allocated for the call. One thread: a second one would need a join between steps 1 and 3,
-// which stalls whenever another process keeps a core busy.
+// Step 1 is ?gtsv's arithmetic on k + 2 columns, in W independent chains (8 doubles or 16 floats
+// a tile) where ?gtsv has one; step 3 two multiply-adds a value. The memory it takes besides X
+// is a tile's scratch, the spikes and a few values a piece, allocated for the call. One thread:
+// a second one would need a join between steps 1 and 3, which stalls whenever another process
+// keeps a core busy.
 //
 // It does not make ?gtsv's pivot decisions across the pieces' boundaries, so its rounding
 // differs from ?gtsv's. Where it cannot vouch for its answer it returns -1, and the caller
@@ -559,6 +564,7 @@ constexpr int64_t kPiecesMinN = 1024;
 constexpr int64_t kPieceRows = 512;   // the target m: a tile's scratch stays in the L2 cache
 constexpr double kTinyPivot = 16;
 constexpr double kCancellation = 1e3;
+constexpr double kCombine = 8;  // (see run_pieces, step 3)
 constexpr int64_t kProbeTiles = 8;       // from this many tiles on, the first one decides early
 constexpr double kAmplification = 1e3;  // (see run_pieces)
 constexpr int kWideVectors = 2;  // 32-byte vectors a tile (AVX2): W = 8 doubles, 16 floats
@@ -579,6 +585,28 @@ struct System {
 template <typename R>
 struct TileRows {
   R *d, *du, *fl, *pv, *b, *c;  // c: [W], the spikes' c
+};
+
+// The rows of another tile to bring into the caches while this one is eliminated (the loads of
+// the next tile gather 4 W streams m rows apart, more than the hardware prefetchers follow):
+// step i of the elimination asks for line i of each band and of the right-hand sides (m lines
+// each: the W pieces' m rows, 8 to a 64-byte line). None where `first` is negative.
+template <typename R>
+struct Prefetch {
+  static constexpr int64_t kPerLine = 64 / static_cast<int64_t>(sizeof(R));
+  const R* arrays[4];
+  int64_t m = 0, lines = 0;  // rows a piece, lines a piece (0: nothing to fetch)
+  int64_t at = 0, line = 0;  // the next line: its offset into the arrays, its index in a piece
+  // Line i (called with i = 0, 1, ...) of each array.
+  TT_INLINE void next() {
+    if (lines == 0) return;
+    for (const R* a : arrays) __builtin_prefetch(a + at, 0, 3);
+    at += kPerLine;
+    if (++line == lines) {  // the next piece's first line: m rows on from this piece's
+      line = 0;
+      at += m - lines * kPerLine;
+    }
+  }
 };
 
 template <typename V, int NV>
@@ -716,12 +744,14 @@ struct PieceTile {
   // pivots kept. Returns false where a pivot was zero or not finite, or where a step cancelled
   // to rounding.
   // k: the caller's columns; K - k: the spikes (0 or 2).
-  static TT_INLINE bool eliminate(int64_t m, int64_t k, int64_t K, const TileRows<R>& s) {
+  static TT_INLINE bool eliminate(int64_t m, int64_t k, int64_t K, const TileRows<R>& s,
+                                  Prefetch<R> ahead) {
     const V zero{};
     const V one = zero + R(1);
     const V tiny = zero + R(kTinyPivot) * std::numeric_limits<R>::epsilon();
     V bad = zero;
     for (int64_t i = 0; i + 1 < m; ++i) {
+      ahead.next();
       for (int o = 0; o < NV; ++o) {
         const int64_t e = i * W + o * VL;
         const V a = ld<V>(s.d + e), l = ld<V>(s.fl + e), c = ld<V>(s.du + e);
@@ -773,6 +803,36 @@ struct PieceTile {
     bool any = false;
     for (int w = 0; w < VL; ++w) any = any || bad[w] != R(0);
     return !any;
+  }
+
+  // After the first pass's substitution: the caller's k columns (y) of tile t into X's rows
+  // below n, and the spikes' two (v, w) into Vs and Ws ([P][m]).
+  static TT_INLINE void store_columns(const TileRows<R>& s, int64_t m, int64_t K, int64_t k,
+                                      int64_t t, int64_t n, R* X, R* Vs, R* Ws) {
+    const int64_t first = t * W * m;
+    R* const out[2] = {Vs + first, Ws + first};
+    for (int c = 0; c < 2; ++c) {
+      for (int o = 0; o < NV; ++o) {
+        for (int64_t i = 0; i < m; i += VL) {
+          scatter(s.b + (i * K + k + c) * W + o * VL, K * W, m, i, out[c] + o * VL * m);
+        }
+      }
+    }
+    if (k == 1 && first + W * m <= n) {
+      for (int o = 0; o < NV; ++o) {
+        for (int64_t i = 0; i < m; i += VL) {
+          scatter(s.b + i * K * W + o * VL, K * W, m, i, X + first + o * VL * m);
+        }
+      }
+      return;
+    }
+    for (int64_t w = 0; w < W; ++w) {
+      const int64_t s0 = first + w * m;
+      const int64_t rows = std::min<int64_t>(m, n - s0);
+      for (int64_t i = 0; i < rows; ++i) {
+        for (int64_t j = 0; j < k; ++j) X[(s0 + i) * k + j] = s.b[(i * K + j) * W + w];
+      }
+    }
   }
 
   // Back substitution of the K columns, x in place of b; mag [K][W]: each column's max |x| (a
@@ -908,10 +968,25 @@ TT_INLINE int run_pieces(const System<R>& A, R* X, int64_t m, int64_t P) {
                       scratch.get() + 3 * m * W, scratch.get() + 4 * m * W, mag + K * W};
   std::unique_ptr<R[]> kept(new R[3 * P * K]);
   R *top = kept.get(), *bot = top + P * K, *big = bot + P * K;
+  // The next tile's rows, while this one is eliminated (k == 1: the right-hand side's rows are
+  // as long as a band's), where the whole tile lies inside the system.
+  auto ahead = [&](int64_t t) {
+    Prefetch<R> p{{A.D, A.U, A.L, A.B}};
+    if (k == 1 && t >= 0 && t < tiles && (t + 1) * W * m < A.n) {
+      p.m = m;
+      p.lines = std::max<int64_t>(1, m / Prefetch<R>::kPerLine);
+      p.at = t * W * m;
+    }
+    return p;
+  };
+  // The spikes of every piece, v and w ([P][m] each), and y in X: step 3 combines them.
+  std::unique_ptr<R[]> spikes(new R[2 * P * m]);
+  R *Vs = spikes.get(), *Ws = Vs + P * m;
   for (int64_t t = 0; t < tiles; ++t) {
     Tile::load(A, m, t, K, true, s);
-    if (!Tile::eliminate(m, k, K, s)) return -1;
+    if (!Tile::eliminate(m, k, K, s, ahead(t + 1))) return -1;
     Tile::substitute(m, K, s, mag);
+    Tile::store_columns(s, m, K, k, t, A.n, X, Vs, Ws);
     for (int64_t w = 0; w < W; ++w) {
       const int64_t q = t * W + w;
       for (int64_t j = 0; j < K; ++j) {
@@ -947,9 +1022,37 @@ TT_INLINE int run_pieces(const System<R>& A, R* X, int64_t m, int64_t P) {
     std::copy(from, from + k, y);
   };
   if (N > 0 && !reduced_solve<R>(N, k, coef, rhs, z.get())) return -1;
-  // Each piece again, with its neighbours' values: the last tiles first, which the caches may
-  // still hold.
-  for (int64_t t = tiles - 1; t >= 0; --t) {
+  // 3. x = y - v b_{q-1} - w t_{q+1}, piece by piece, in place of y in X. A tile with a piece
+  // whose answer is more than kCombine times smaller than the terms it is made of is solved
+  // again instead.
+  std::vector<int64_t> again;
+  for (int64_t t = 0; t < tiles; ++t) {
+    bool redo = false;
+    for (int64_t q = t * W; q < (t + 1) * W && q * m < A.n && !redo; ++q) {
+      const int64_t s0 = q * m, rows = std::min<int64_t>(m, A.n - s0);
+      const R* v = Vs + s0;
+      const R* wv = Ws + s0;
+      for (int64_t j = 0; j < k; ++j) {
+        const R left = q > 0 ? z[(2 * (q - 1)) * k + j] : R(0);
+        const R right = q + 1 < P ? z[(2 * q + 1) * k + j] : R(0);
+        R* x = X + s0 * k + j;
+        R mag_x = 0, probe = 0;  // probe: NaN where an x is not finite (inf * 0 is NaN)
+        for (int64_t i = 0; i < rows; ++i) {
+          const R xi = x[i * k] - v[i] * left - wv[i] * right;
+          x[i * k] = xi;
+          mag_x = std::max(mag_x, std::abs(xi));
+          probe += xi * R(0);
+        }
+        const R terms = big[q * K + j] + big[q * K + k] * std::abs(left) +
+                        big[q * K + k + 1] * std::abs(right);
+        // (x not finite: the solve again decides, and hands the system back where it is too)
+        if (probe != R(0) || (!(terms <= R(kCombine) * mag_x) && terms != R(0))) redo = true;
+      }
+    }
+    if (redo) again.push_back(t);
+  }
+  // Those tiles again, each piece with its neighbours' values moved to the right-hand side.
+  for (const int64_t t : again) {
     Tile::load(A, m, t, k, false, s);
     for (int64_t w = 0; w < W; ++w) {
       const int64_t q = t * W + w, s0 = q * m;
@@ -962,7 +1065,7 @@ TT_INLINE int run_pieces(const System<R>& A, R* X, int64_t m, int64_t P) {
         for (int64_t j = 0; j < k; ++j) s.b[((m - 1) * k + j) * W + w] -= c * z[(2 * q + 1) * k + j];
       }
     }
-    if (!Tile::eliminate(m, k, k, s)) return -1;
+    if (!Tile::eliminate(m, k, k, s, Prefetch<R>{{A.D, A.U, A.L, A.B}})) return -1;
     Tile::substitute(m, k, s, mag);
     for (int64_t w = 0; w < W; ++w) {
       const int64_t q = t * W + w, s0 = q * m;
