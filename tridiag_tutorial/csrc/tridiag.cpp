@@ -74,6 +74,9 @@
 #include <torch/headeronly/util/Exception.h>
 
 #include <Python.h>
+#if __has_include(<sys/resource.h>)
+#include <sys/resource.h>
+#endif
 
 #include <algorithm>
 #include <array>
@@ -1193,14 +1196,15 @@ class NextIndex {
 // The thread budget. On a machine where another process keeps a core busy, a pool thread shares
 // a core: it runs at a fraction of its speed and waits out the other process's time slices
 // (milliseconds), and the region ends only when it does. Two threads then took up to twice one
-// thread's time. So each region measures, per thread, the time it spent off the CPU (wall time
-// since the region began minus the thread's CPU time). A region stalled where a thread lost more
-// than kStallNs and more than a fifth of the region. After two stalled regions in a row (one
-// alone can be a passing disturbance), regions run on the calling thread alone for a while, then
-// one tries the pool again. While the tries stall, the while doubles, from kSoloMinNs to
-// kSoloMaxNs; a try that does not stall brings the pool back and halves the while that the next
-// stall starts (a lucky try under a lasting load does not start the doubling over). Under a
-// lasting load that costs one stalled region in kSoloMaxNs; the threads come back at most
+// thread's time. So each region watches its threads: a region stalled where a thread started more
+// than kStallNs and a fifth of the region late, or where the scheduler preempted it while it
+// worked and it lost more than kStallNs and a fifth of the region off the CPU (wall time minus
+// its CPU time; waiting for a page fault or a lock is not preemption). After two stalled regions
+// in a row (one alone can be a passing disturbance), regions run on the calling thread alone for
+// a while, then one tries the pool again. While the tries stall, the while doubles, from
+// kSoloMinNs to kSoloMaxNs; a try that does not stall brings the pool back and halves the while
+// that the next stall starts (a lucky try under a lasting load does not start the doubling over).
+// Under a lasting load that costs one stalled region in kSoloMaxNs; the threads come back at most
 // kSoloMaxNs after the other process ends.
 constexpr int64_t kStallNs = 300000;        // 0.3 ms: above a pool thread's wake-up when quiet
 constexpr int64_t kSoloMinNs = 50000000;    // 50 ms
@@ -1237,6 +1241,16 @@ int64_t thread_cpu_ns() {
   return -1;
 }
 
+// How many times the scheduler has taken the CPU from this thread while it could run (Linux:
+// getrusage's involuntary context switches); elsewhere -1, and then any time lost counts.
+int64_t preemptions() {
+#if defined(RUSAGE_THREAD)
+  rusage usage;
+  if (getrusage(RUSAGE_THREAD, &usage) == 0) return usage.ru_nivcsw;
+#endif
+  return -1;
+}
+
 template <typename Worker>
 void claim_chunks(int64_t count, int64_t chunk, const Worker& worker) {
   if (count <= 0) return;
@@ -1253,13 +1267,20 @@ void claim_chunks(int64_t count, int64_t chunk, const Worker& worker) {
   std::atomic<bool> stalled{false};
   const int64_t start = wall_ns();
   torch::stable::parallel_for(0, chunks, 1, [&](int64_t, int64_t) {
-    const int64_t cpu0 = thread_cpu_ns();
+    const int64_t entered = wall_ns() - start;
+    const int64_t cpu0 = thread_cpu_ns(), preempted0 = preemptions();
     NextIndex next(counter, count, chunk);
     worker(next);
-    const int64_t cpu1 = thread_cpu_ns();
+    const int64_t cpu1 = thread_cpu_ns(), preempted1 = preemptions();
     const int64_t wall = wall_ns() - start;
     const int64_t lost = wall - (cpu1 - cpu0);
-    if (cpu0 >= 0 && cpu1 >= 0 && lost > kStallNs && 5 * lost > wall) {
+    // Off the CPU because another process had the core: the thread started late, or it was
+    // preempted while it worked. (Not: waiting for memory, a page fault or a lock, which an
+    // allocating solve meets on a quiet machine too.)
+    const bool late = entered > kStallNs && 5 * entered > wall;
+    const bool switched = preempted0 < 0 || preempted1 != preempted0;
+    const bool preempted = switched && lost > kStallNs && 5 * lost > wall;
+    if (cpu0 >= 0 && cpu1 >= 0 && (late || preempted)) {
       stalled.store(true, std::memory_order_relaxed);
     }
   });
