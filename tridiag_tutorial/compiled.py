@@ -179,9 +179,9 @@ def library_path() -> str:
 class ThreadBudget(NamedTuple):
     """What :func:`thread_budget` reports."""
     stalled_regions: int
-    """Parallel regions of the kernel, since the library loaded, in which a pool thread started
-    late, or was preempted and lost time off the CPU, by more than a fifth of the region (and
-    0.3 ms): another process had its core."""
+    """Parallel regions of the kernel, since the library loaded, whose threads did not pay: the
+    region took more than 0.8 of the CPU time its threads spent in it (and more than 0.3 ms),
+    as when another process has one of their cores."""
     solo_seconds_left: float
     """How long the kernel's parallel regions still run on the calling thread alone (0: they use
     torch's thread pool)."""
@@ -189,12 +189,12 @@ class ThreadBudget(NamedTuple):
 
 def thread_budget() -> ThreadBudget:
     """The C++ kernel's thread budget. Each of its parallel regions (the batch kernel's blocks,
-    the few large systems of the pieces kernel) watches whether its threads started late or were
-    preempted (on Linux: the thread's involuntary context switches; elsewhere any time off the
-    CPU counts); after two regions in a row in which a thread stalled, regions run on the calling
-    thread alone for 50 ms, then try the pool again, doubling that time (up to 2 s) while the
-    tries stall. Threads claim the region's work in chunks, so a slower thread takes fewer. The
-    pool's size is still ``torch.get_num_threads()``."""
+    the few large systems of the pieces kernel) compares its wall time with the CPU time its
+    threads spent in it, about what one thread would have needed; after two regions in a row
+    that took more than 0.8 of it, regions run on the calling thread alone for 50 ms, then try
+    the pool again, doubling that time (up to 2 s) while the tries stall. Threads claim the
+    region's work in chunks, so a slower thread takes fewer. The pool's size is still
+    ``torch.get_num_threads()``."""
     if _C is None:
         raise RuntimeError(_missing_message())
     stalled, solo_ns = _C.thread_budget()

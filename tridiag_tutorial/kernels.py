@@ -70,8 +70,8 @@ def choose_driver(device_type: str, dtype: torch.dtype, batch: int, n: int, cpp:
       kernel's solve in pieces, which eliminates many pieces of the one system side by side. On
       the stored rows of ``--one-system-only`` (nine families of matrices, n = 4096, 1e5 and 1e6,
       float32 and float64, one and two threads, quiet and with one core kept busy; AMD EPYC) the
-      op took 0.29 to 0.66 of raw ``?gtsv``'s time from n = 1e5 on, 0.69 to 0.80 at n = 4096
-      (the fixed cost of the call), and 1.01 to 1.08 on ``tridiag(-1, 2, -1)``, which the kernel
+      op took 0.24 to 0.44 of raw ``?gtsv``'s time from n = 1e5 on, 0.51 to 0.60 at n = 4096
+      (the fixed cost of the call), and 1.03 to 1.07 on ``tridiag(-1, 2, -1)``, which the kernel
       hands to its sequential elimination (chapter 12). One complex system has no such solve:
       above 3000 unknowns the C++ kernel measured within 10% of LAPACK (0.9 to 1.0 of its time
       at n = 1e4 and 1e5), so it stays on LAPACK.

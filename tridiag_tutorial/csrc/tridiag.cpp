@@ -74,9 +74,6 @@
 #include <torch/headeronly/util/Exception.h>
 
 #include <Python.h>
-#if __has_include(<sys/resource.h>)
-#include <sys/resource.h>
-#endif
 
 #include <algorithm>
 #include <array>
@@ -1196,17 +1193,17 @@ class NextIndex {
 // The thread budget. On a machine where another process keeps a core busy, a pool thread shares
 // a core: it runs at a fraction of its speed and waits out the other process's time slices
 // (milliseconds), and the region ends only when it does. Two threads then took up to twice one
-// thread's time. So each region watches its threads: a region stalled where a thread started more
-// than kStallNs and a fifth of the region late, or where the scheduler preempted it while it
-// worked and it lost more than kStallNs and a fifth of the region off the CPU (wall time minus
-// its CPU time; waiting for a page fault or a lock is not preemption). After two stalled regions
-// in a row (one alone can be a passing disturbance), regions run on the calling thread alone for
-// a while, then one tries the pool again. While the tries stall, the while doubles, from
-// kSoloMinNs to kSoloMaxNs; a try that does not stall brings the pool back and halves the while
-// that the next stall starts (a lucky try under a lasting load does not start the doubling over).
-// Under a lasting load that costs one stalled region in kSoloMaxNs; the threads come back at most
+// thread's time. So each region compares its wall time with the CPU time its threads spent in it,
+// about what one thread would have needed: a region that took more than kStallShare of that (and
+// more than kStallNs) stalled, its threads did not pay. After two stalled regions in a row (one
+// alone can be a passing disturbance), regions run on the calling thread alone for a while, then
+// one tries the pool again. While the tries stall, the while doubles, from kSoloMinNs to
+// kSoloMaxNs; a try that does not stall brings the pool back and halves the while that the next
+// stall starts (a lucky try under a lasting load does not start the doubling over). Under a
+// lasting load that costs one stalled region in kSoloMaxNs; the threads come back at most
 // kSoloMaxNs after the other process ends.
-constexpr int64_t kStallNs = 300000;        // 0.3 ms: above a pool thread's wake-up when quiet
+constexpr int64_t kStallNs = 300000;        // 0.3 ms: shorter regions are not judged
+constexpr double kStallShare = 0.8;         // a region faster than 1 / 0.8 = 1.25 times one thread
 constexpr int64_t kSoloMinNs = 50000000;    // 50 ms
 constexpr int64_t kSoloMaxNs = 2000000000;  // 2 s
 std::atomic<int64_t> g_solo_until{0};       // steady-clock ns: regions run alone until then
@@ -1241,16 +1238,6 @@ int64_t thread_cpu_ns() {
   return -1;
 }
 
-// How many times the scheduler has taken the CPU from this thread while it could run (Linux:
-// getrusage's involuntary context switches); elsewhere -1, and then any time lost counts.
-int64_t preemptions() {
-#if defined(RUSAGE_THREAD)
-  rusage usage;
-  if (getrusage(RUSAGE_THREAD, &usage) == 0) return usage.ru_nivcsw;
-#endif
-  return -1;
-}
-
 template <typename Worker>
 void claim_chunks(int64_t count, int64_t chunk, const Worker& worker) {
   if (count <= 0) return;
@@ -1264,27 +1251,25 @@ void claim_chunks(int64_t count, int64_t chunk, const Worker& worker) {
     worker(next);
     return;
   }
-  std::atomic<bool> stalled{false};
+  // The region stalled where its threads did not pay: it took more than kStallShare of the CPU
+  // time they spent in it, which one thread would have needed, give or take its caches (two
+  // threads that share the work take about half; two of which one waits out another process's
+  // time slice, or starts late, about all of it).
+  std::atomic<int64_t> cpu_total{0};
+  std::atomic<bool> measured{true};
   const int64_t start = wall_ns();
   torch::stable::parallel_for(0, chunks, 1, [&](int64_t, int64_t) {
-    const int64_t entered = wall_ns() - start;
-    const int64_t cpu0 = thread_cpu_ns(), preempted0 = preemptions();
+    const int64_t cpu0 = thread_cpu_ns();
     NextIndex next(counter, count, chunk);
     worker(next);
-    const int64_t cpu1 = thread_cpu_ns(), preempted1 = preemptions();
-    const int64_t wall = wall_ns() - start;
-    const int64_t lost = wall - (cpu1 - cpu0);
-    // Off the CPU because another process had the core: the thread started late, or it was
-    // preempted while it worked. (Not: waiting for memory, a page fault or a lock, which an
-    // allocating solve meets on a quiet machine too.)
-    const bool late = entered > kStallNs && 5 * entered > wall;
-    const bool switched = preempted0 < 0 || preempted1 != preempted0;
-    const bool preempted = switched && lost > kStallNs && 5 * lost > wall;
-    if (cpu0 >= 0 && cpu1 >= 0 && (late || preempted)) {
-      stalled.store(true, std::memory_order_relaxed);
-    }
+    const int64_t cpu1 = thread_cpu_ns();
+    if (cpu0 < 0 || cpu1 < 0) measured.store(false, std::memory_order_relaxed);
+    cpu_total.fetch_add(cpu1 - cpu0, std::memory_order_relaxed);
   });
-  if (!stalled.load(std::memory_order_relaxed)) {
+  const int64_t wall = wall_ns() - start;
+  const bool stalled = measured.load() && wall > kStallNs &&
+                       static_cast<double>(wall) > kStallShare * static_cast<double>(cpu_total.load());
+  if (!stalled) {
     g_stalled_in_a_row.store(0, std::memory_order_relaxed);
     const int64_t half = g_solo_for.load(std::memory_order_relaxed) / 2;
     g_solo_for.store(half < kSoloMinNs ? 0 : half, std::memory_order_relaxed);
