@@ -177,14 +177,13 @@ def library_path() -> str:
 
 
 class ThreadBudget(NamedTuple):
-    """What :func:`thread_budget` reports."""
+    """What :func:`thread_budget` reports. ``stalled_regions``, the parallel regions of the kernel
+    since the library loaded whose threads did not pay (the region took more than 0.8 of the CPU
+    time its threads spent in it, and more than 0.3 ms, as when another process has one of their
+    cores); ``solo_seconds_left``, how long the kernel's parallel regions still run on the calling
+    thread alone (0 when they use torch's thread pool)."""
     stalled_regions: int
-    """Parallel regions of the kernel, since the library loaded, whose threads did not pay: the
-    region took more than 0.8 of the CPU time its threads spent in it (and more than 0.3 ms),
-    as when another process has one of their cores."""
     solo_seconds_left: float
-    """How long the kernel's parallel regions still run on the calling thread alone (0: they use
-    torch's thread pool)."""
 
 
 def thread_budget() -> ThreadBudget:
