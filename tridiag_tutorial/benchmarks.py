@@ -857,6 +857,8 @@ def run_thread_budget(cases=THREAD_BUDGET_CASES, dtypes=(torch.float32, torch.fl
                     def call():
                         tridiagonal_solve(*args)
 
+                    # Timed here, not with _time_interleaved: its Timer sets the thread count
+                    # that it was made with while it measures, and here the count is what varies.
                     torch.set_num_threads(counts[0])
                     call()
                     number = _calls_per_block(_timer(call), min_time)

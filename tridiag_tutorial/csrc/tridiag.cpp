@@ -590,7 +590,7 @@ struct TileRows {
 // The rows of another tile to bring into the caches while this one is eliminated (the loads of
 // the next tile gather 4 W streams m rows apart, more than the hardware prefetchers follow):
 // step i of the elimination asks for line i of each band and of the right-hand sides (m lines
-// each: the W pieces' m rows, 8 to a 64-byte line). None where `first` is negative.
+// each: the W pieces' m rows, 8 to a 64-byte line). Nothing where `lines` is 0.
 template <typename R>
 struct Prefetch {
   static constexpr int64_t kPerLine = 64 / static_cast<int64_t>(sizeof(R));
@@ -615,7 +615,6 @@ struct PieceTile {
   using I = typename Lane<V>::I;
   static constexpr int VL = static_cast<int>(sizeof(V) / sizeof(R));
   static constexpr int W = NV * VL;
-  static constexpr int NVEC = NV;
 
   static TT_INLINE V vabs(V x) { return (V)((I)x & (I{} + Lane<V>::kMag)); }
 
@@ -818,7 +817,14 @@ struct PieceTile {
         }
       }
     }
-    if (k == 1 && first + W * m <= n) {
+    store_x(s, m, K, k, t, n, X);
+  }
+
+  // The caller's k columns of s.b (K columns in all) of tile t into X's rows below n.
+  static TT_INLINE void store_x(const TileRows<R>& s, int64_t m, int64_t K, int64_t k, int64_t t,
+                                int64_t n, R* X) {
+    const int64_t first = t * W * m;
+    if (k == 1 && first + W * m <= n) {  // VL rows of VL pieces at a time, transposed
       for (int o = 0; o < NV; ++o) {
         for (int64_t i = 0; i < m; i += VL) {
           scatter(s.b + i * K * W + o * VL, K * W, m, i, X + first + o * VL * m);
@@ -972,7 +978,7 @@ TT_INLINE int run_pieces(const System<R>& A, R* X, int64_t m, int64_t P) {
   // as long as a band's), where the whole tile lies inside the system.
   auto ahead = [&](int64_t t) {
     Prefetch<R> p{{A.D, A.U, A.L, A.B}};
-    if (k == 1 && t >= 0 && t < tiles && (t + 1) * W * m < A.n) {
+    if (k == 1 && t < tiles && (t + 1) * W * m < A.n) {
       p.m = m;
       p.lines = std::max<int64_t>(1, m / Prefetch<R>::kPerLine);
       p.at = t * W * m;
@@ -1079,22 +1085,7 @@ TT_INLINE int run_pieces(const System<R>& A, R* X, int64_t m, int64_t P) {
         }
       }
     }
-    const int64_t first = t * W * m;
-    if (k == 1 && first + W * m <= A.n) {  // VL rows of VL pieces at a time, transposed
-      for (int o = 0; o < Tile::NVEC; ++o) {
-        for (int64_t i = 0; i < m; i += Tile::VL) {
-          Tile::scatter(s.b + i * W + o * Tile::VL, W, m, i, X + first + o * Tile::VL * m);
-        }
-      }
-      continue;
-    }
-    for (int64_t w = 0; w < W; ++w) {
-      const int64_t s0 = first + w * m;
-      const int64_t rows = std::min<int64_t>(m, A.n - s0);
-      for (int64_t i = 0; i < rows; ++i) {
-        for (int64_t j = 0; j < k; ++j) X[(s0 + i) * k + j] = s.b[(i * k + j) * W + w];
-      }
-    }
+    Tile::store_x(s, m, k, k, t, A.n, X);
   }
   return 0;
 }
