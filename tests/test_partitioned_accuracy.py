@@ -177,10 +177,30 @@ def test_accuracy_results_have_the_expected_structure():
         assert all(r["disagreements"] == 0 for r in rows), label
     pieces = results["kernels"]["pieces"]["rows"]
     assert {r["n"] for r in pieces} == set(accuracy.PIECES_SYSTEMS)
+    # ?gtsv on the reversed systems, measured in the same run: the baseline chapter 12 shows
+    compared = [r for r in pieces if "ratios" in r]
+    assert all(len(r["reversed_ratios"]) == r["compared"] for r in compared)
+    assert any(r["reversed_max_ratio"] > 10 for r in compared if r["compared"])
     assert sum(r["compared"] for r in pieces if "ratios" in r) > 100
     # solved in pieces (not handed back) on every family with a regular matrix at n = 1000
     assert all(r["fallbacks"] < r["systems"] for r in pieces
                if r["n"] == 1000 and r["family"] in accuracy.PIECES_FAMILIES)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: np.dtype(d).name)
+def test_reversed_gtsv_solves_the_system_in_another_order(dtype):
+    """The baseline of the accuracy rows: the same answer as a dense solve, up to rounding, but
+    not ?gtsv's bits on every value (its rounding happens in another order); inputs untouched."""
+    system = accuracy.make("random", 300, dtype, seed=3)
+    before = [t.copy() for t in system]
+    x = accuracy.reversed_gtsv(*system)
+    lower, diag, upper, rhs = (t.astype(np.float64) for t in system)
+    dense = np.diag(diag) + np.diag(lower, -1) + np.diag(upper, 1)
+    tol = 1e-3 if dtype == np.float32 else 1e-10
+    np.testing.assert_allclose(x, np.linalg.solve(dense, rhs), rtol=tol, atol=tol)
+    assert x.shape == rhs.shape and x.dtype == dtype
+    assert (x != lapack.gtsv(*system)).any()
+    assert all((a == b).all() for a, b in zip(system, before))
 
 
 def test_quick_run(tmp_path):

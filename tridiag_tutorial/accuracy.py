@@ -8,7 +8,9 @@ how many systems the partitioned kernel handed to its fallback (the sequential k
 reference ``x_ref`` is LAPACK's float64 solution refined with residuals in NumPy's ``longdouble``
 (80-bit extended precision on x86), so it is far more accurate than either solve in float64.
 Ratios are taken only where LAPACK's error is below ``1e-2`` (elsewhere neither answer has
-digits to compare). Singular constructions (a zero row, a row that is a multiple of the next,
+digits to compare). Each row also gives the same ratio for LAPACK on the reversed system (the
+rows and unknowns numbered from the other end, :func:`reversed_gtsv`): how far from LAPACK's error
+an elimination as backward stable as LAPACK's, rounding in another order, lands on the same systems. Singular constructions (a zero row, a row that is a multiple of the next,
 a rank-1 2 x 2 block) are counted apart: how many raise
 :class:`~tridiag_tutorial.SingularMatrixError` on LAPACK and on the kernel, and how many disagree.
 
@@ -45,7 +47,7 @@ import torch
 from . import compiled, lapack, partitioned, torch_kernel
 from ._validation import SingularMatrixError
 
-__all__ = ["FAMILIES", "SINGULAR_FAMILIES", "KERNELS", "make", "reference", "forward_error",
+__all__ = ["FAMILIES", "SINGULAR_FAMILIES", "KERNELS", "make", "reference", "reversed_gtsv", "forward_error",
            "measure", "main"]
 
 FAMILIES = ("random", "zero_diagonal", "dominant", "nearly_singular_block", "badly_scaled_rows")
@@ -156,6 +158,14 @@ def reference(lower, diag, upper, rhs, steps: int = 6):
     return x
 
 
+def reversed_gtsv(lower, diag, upper, rhs):
+    """LAPACK's ``?gtsv`` on the same system with its rows and unknowns numbered from the other
+    end (row ``i`` becomes row ``n - 1 - i``): an elimination as backward stable as ``?gtsv``,
+    whose rounding happens in another order. Its answer, in the original order."""
+    flip = [np.ascontiguousarray(t[::-1]) for t in (upper, diag, lower, rhs)]
+    return lapack.gtsv(*flip)[::-1]
+
+
 def forward_error(x, x_ref) -> float:
     """``max|x - x_ref| / max|x_ref|``, in ``longdouble``."""
     x = np.asarray(x, dtype=np.longdouble)
@@ -191,13 +201,19 @@ def _pieces_solve(system):
     return x.numpy(), fallbacks > 0
 
 
+def _ratio(error, lapack_error):
+    return error / lapack_error if lapack_error > 0 else (1.0 if error == 0 else math.inf)
+
+
 def measure(solve, families=FAMILIES, singular=SINGULAR_FAMILIES, systems=None, log=None,
             run=None):
     """Rows for ``solve`` (a partitioned kernel's ``solve``), or for ``run`` (``run(system)``
     gives ``(x, fell_back)``, as :func:`_pieces_solve`): one per family, dtype and size, with
     ``median_ratio``, ``max_ratio`` (kernel error / LAPACK error where LAPACK's is below 1e-2),
     ``compared``, ``fallbacks``, ``raised``, ``max_lapack_error`` and every ``ratios`` (3
-    significant digits); singular families with
+    significant digits), and the same for LAPACK on the reversed system (:func:`reversed_gtsv`)
+    over LAPACK: ``reversed_ratios`` and ``reversed_max_ratio``, how far apart two backward-stable
+    eliminations of the same systems come; singular families with
     ``lapack_raised``, ``kernel_raised`` and ``disagreements``."""
     systems = systems or SYSTEMS
     run = run or (lambda system: _kernel_solve(solve, system))
@@ -207,7 +223,8 @@ def measure(solve, families=FAMILIES, singular=SINGULAR_FAMILIES, systems=None, 
             for n, count in systems.items():
                 if family in singular and n > SINGULAR_MAX_N:
                     continue  # every one falls back to the sequential kernel: slow, and like n = 1000
-                ratios, fallbacks, raised, lapack_raised, disagree, worst = [], 0, 0, 0, 0, 0.0
+                ratios, reversed_ratios = [], []
+                fallbacks, raised, lapack_raised, disagree, worst = 0, 0, 0, 0, 0.0
                 for seed in range(count):
                     system = make(family, n + (n % 2 if family == "zero_diagonal" else 0), dtype, seed)
                     try:
@@ -232,8 +249,9 @@ def measure(solve, families=FAMILIES, singular=SINGULAR_FAMILIES, systems=None, 
                     e_lapack = forward_error(x_lapack, x_ref)
                     if e_lapack < 1e-2:
                         e_kernel = forward_error(x, x_ref)
-                        ratios.append(e_kernel / e_lapack if e_lapack > 0 else
-                                      (1.0 if e_kernel == 0 else math.inf))
+                        ratios.append(_ratio(e_kernel, e_lapack))
+                        e_reversed = forward_error(reversed_gtsv(*system), x_ref)
+                        reversed_ratios.append(_ratio(e_reversed, e_lapack))
                         worst = max(worst, e_lapack)
                 row = dict(family=family, dtype=np.dtype(dtype).name, n=n, systems=count,
                            fallbacks=fallbacks, raised=raised, lapack_raised=lapack_raised,
@@ -243,7 +261,10 @@ def measure(solve, families=FAMILIES, singular=SINGULAR_FAMILIES, systems=None, 
                                median_ratio=float(np.median(ratios)) if ratios else None,
                                max_ratio=float(np.max(ratios)) if ratios else None,
                                max_lapack_error=worst,
-                               ratios=[float(f"{r:.3g}") for r in ratios])
+                               ratios=[float(f"{r:.3g}") for r in ratios],
+                               reversed_max_ratio=(float(np.max(reversed_ratios))
+                                                   if reversed_ratios else None),
+                               reversed_ratios=[float(f"{r:.3g}") for r in reversed_ratios])
                 rows.append(row)
                 if log:
                     log(json.dumps(row))
