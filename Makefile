@@ -13,7 +13,7 @@ $(STAMP): requirements-pinned.txt pyproject.toml setup.py tridiag_tutorial/csrc/
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet -r requirements-pinned.txt
 	$(PY) -m pip install --quiet --no-deps --no-build-isolation -e .
-	$(PY) -c "import tridiag_tutorial as t, tridiag_tutorial.compiled as c; print('tridiag_tutorial: C++ kernel', 'built' if t.cpp_available() else f'NOT built ({c.BUILD_ERROR}); CPU solves run on LAPACK')"
+	$(PY) -c "import tridiag_tutorial as t, tridiag_tutorial.kernels.compiled as c; print('tridiag_tutorial: C++ kernel', 'built' if t.cpp_available() else f'NOT built ({c.BUILD_ERROR}); CPU solves run on LAPACK')"
 	touch $(STAMP)
 
 test: lint unit wheel-test nbval

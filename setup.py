@@ -17,7 +17,7 @@ The metadata is in pyproject.toml. The extension is built against the torch that
 
 Where the extension cannot be built (no torch visible, no C++ compiler, a compile error), the
 install goes on without it: the package runs every CPU solve on LAPACK through SciPy,
-``tridiag_tutorial.cpp_available()`` is False and ``tridiag_tutorial.compiled.BUILD_ERROR`` gives
+``tridiag_tutorial.cpp_available()`` is False and ``tridiag_tutorial.kernels.compiled.BUILD_ERROR`` gives
 the cause this script recorded in ``tridiag_tutorial/_build_info.json``.
 
 Objects are built in a folder named for what they were built with (torch, Python, compiler and

@@ -89,7 +89,7 @@ def require_cpp():
     import os
     import shutil
 
-    from tridiag_tutorial import compiled
+    from tridiag_tutorial.kernels import compiled
 
     if compiled.is_available():
         return

@@ -412,7 +412,7 @@ class Kernels:
                 if not ok:
                     self.unavailable["cpp"] = "tridiag_tutorial.cpp_available() is False"
                 return ok
-            from tridiag_tutorial import compiled
+            from tridiag_tutorial.kernels import compiled
             compiled.load()
             return True
         except Exception as err:  # no compiler, no ninja, a failed build

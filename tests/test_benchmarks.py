@@ -15,16 +15,9 @@ import pytest
 import torch
 import torch.utils.benchmark
 
-from tridiag_tutorial import (
-    _compat,
-    benchmarks,
-    compiled,
-    kernels,
-    lapack,
-    ops,
-    rules,
-    tridiagonal_solve,
-)
+from tridiag_tutorial import _compat, kernels, ops, rules, tridiagonal_solve
+from tridiag_tutorial.bench import benchmarks
+from tridiag_tutorial.kernels import compiled, lapack
 
 from conftest import require_cpp
 
@@ -424,7 +417,8 @@ def dense_of(lower, diag, upper):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_one_system_families_are_what_they_say(dtype):
-    from tridiag_tutorial import accuracy, partitioned
+    from tridiag_tutorial.bench import accuracy
+    from tridiag_tutorial.kernels import partitioned
 
     n = 64
     made = {f: benchmarks.one_system_family(f, n, dtype) for f in benchmarks.FAMILIES}
@@ -602,7 +596,7 @@ def test_tiny_one_system_run_has_family_and_busy_rows():
 
 def test_pure_torch_kernel_cases_time_the_sequential_kernel(monkeypatch):
     """The suite's "pure-torch kernel" is the sequential pivoting kernel, also at n >= 64."""
-    from tridiag_tutorial import partitioned
+    from tridiag_tutorial.kernels import partitioned
 
     monkeypatch.setattr(partitioned, "solve", lambda *a: pytest.fail("the partitioned kernel ran"))
     args = benchmarks._problem(kernels.PARTITIONED_MIN_N, 0, torch.float64)
@@ -788,7 +782,7 @@ def test_help_is_plain_text_under_the_command_s_real_name(capsys):
         benchmarks.main(["--help"])
     assert exit_.value.code == 0
     text = capsys.readouterr().out
-    assert text.startswith("usage: python -m tridiag_tutorial.benchmarks ")
+    assert text.startswith("usage: python -m tridiag_tutorial.bench.benchmarks ")
     for markup in ("``", ":func:", ":data:", ":class:", "::"):
         assert markup not in text, markup
     assert "--merge" in text.split("options:")[0]  # the description says how to continue a run
@@ -979,10 +973,10 @@ def test_progress_elsewhere_is_plain_lines_now_and_then():
                                  "main suite: 10 measured in 2 min"]
 
 
-# python -m tridiag_tutorial.benchmarks, with Python's SIGINT handler even where this process was
+# python -m tridiag_tutorial.bench.benchmarks, with Python's SIGINT handler even where this process was
 # started with SIGINT ignored (a background job), which the child would inherit
 CLI_WITH_SIGINT = ("import runpy, signal; signal.signal(signal.SIGINT, signal.default_int_handler); "
-                   "runpy.run_module('tridiag_tutorial.benchmarks', run_name='__main__', "
+                   "runpy.run_module('tridiag_tutorial.bench.benchmarks', run_name='__main__', "
                    "alter_sys=True)")
 
 

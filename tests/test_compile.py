@@ -4,8 +4,8 @@ import pytest
 import torch
 
 from tridiag_tutorial import tridiagonal_solve
-from tridiag_tutorial.autograd_function import tridiagonal_solve_function
-from tridiag_tutorial.custom_op import tridiagonal_solve_custom_op
+from tridiag_tutorial.book.autograd_function import tridiagonal_solve_function
+from tridiag_tutorial.book.custom_op import tridiagonal_solve_custom_op
 
 from conftest import assert_close, make_system, torch_trap
 

@@ -1,4 +1,4 @@
-"""The C++ kernel (tridiag_tutorial.compiled; the op torch.ops.tridiag_tutorial.cpp_solve): the
+"""The C++ kernel (tridiag_tutorial.kernels.compiled; the op torch.ops.tridiag_tutorial.cpp_solve): the
 dense reference, LAPACK's ?gtsv bit for bit (non-finite and singular input included),
 SingularMatrixError, what the raw ops refuse, opcheck, and the public op on it in every
 composition."""
@@ -15,15 +15,14 @@ from torch.func import grad, hessian, jacfwd, vmap
 
 from tridiag_tutorial import (
     SingularMatrixError,
-    compiled,
     dense_solve,
     kernels,
-    lapack,
     ops,
     rules,
     tridiagonal_solve,
 )
-from tridiag_tutorial.compiled import PIECES_MIN_N
+from tridiag_tutorial.kernels import compiled, lapack
+from tridiag_tutorial.kernels.compiled import PIECES_MIN_N
 
 from conftest import ALL_DTYPES, assert_close, assert_grads_match_dense, make_system, require_cpp
 
@@ -192,7 +191,7 @@ def test_non_contiguous_inputs(op):
 def test_one_large_system(op):
     """One system of 1e5 unknowns, which the pieces kernel solves (its rounding is not ?gtsv's):
     a forward error within 10 times LAPACK's, against the extended-precision reference."""
-    from tridiag_tutorial import accuracy
+    from tridiag_tutorial.bench import accuracy
     lower, diag, upper, rhs = make_system(100_000, (), 1, seed=12)
     diag[::7] = 0.0
     x = op(lower, diag, upper, rhs)

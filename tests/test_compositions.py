@@ -22,17 +22,14 @@ from torch.autograd import forward_ad as fwAD
 from torch.func import grad, hessian, jacfwd, jacrev, jvp, vjp, vmap
 
 from tridiag_tutorial import (
-    compiled,
     kernels,
-    lapack,
-    partitioned,
     to_dense,
-    torch_kernel,
     tridiag_matmul,
     tridiagonal_lu_factor,
     tridiagonal_lu_solve,
     tridiagonal_solve,
 )
+from tridiag_tutorial.kernels import compiled, lapack, partitioned, sequential
 
 from conftest import KERNELS, make_system, require_cpp, torch_trap
 
@@ -43,7 +40,7 @@ from conftest import KERNELS, make_system, require_cpp, torch_trap
 KERNEL_ENTRIES = {
     "lapack": [(lapack, "solve"), (lapack, "factor"), (lapack, "factor_solve")],
     "cpp": [(compiled, "solve"), (compiled, "solve_backward")],
-    "sequential": [(torch_kernel, "solve"), (torch_kernel, "factor"), (torch_kernel, "lu_solve")],
+    "sequential": [(sequential, "solve"), (sequential, "factor"), (sequential, "lu_solve")],
     "partitioned": [(partitioned, "solve")],
 }
 # What driver=None runs on the CPU for one system (the spec of kernels.choose_driver): the C++
@@ -245,14 +242,14 @@ def test_drivers_of_concurrent_calls_do_not_mix(monkeypatch):
     driver=None runs the automatic choice: the driver is the call's argument, not a state that
     threads share (before issue 24 it was a thread-local context)."""
     inside, done = threading.Event(), threading.Event()
-    real = torch_kernel.solve
+    real = sequential.solve
 
     def blocking(*args):
         inside.set()
         assert done.wait(10), "the other thread's solve did not finish"
         return real(*args)
 
-    monkeypatch.setattr(torch_kernel, "solve", blocking)
+    monkeypatch.setattr(sequential, "solve", blocking)
     spy = KernelSpy(monkeypatch)
     out = {}
 

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 import tridiag_tutorial
-from tridiag_tutorial import compiled
+from tridiag_tutorial.kernels import compiled
 
 import conftest
 

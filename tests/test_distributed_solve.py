@@ -1,4 +1,4 @@
-"""The split solve of :mod:`tridiag_tutorial.distributed_solve` on 2 and 4 gloo processes.
+"""The split solve of :mod:`tridiag_tutorial.distributed.solve` on 2 and 4 gloo processes.
 
 Every multi-process check runs inside ONE spawned job per world size (a module-scoped fixture):
 each rank runs the checks of ``CHECKS`` in order and writes, for each check it finished, whether
@@ -11,8 +11,8 @@ others fail with the recorded tracebacks and the job's error. Nothing waits long
 collectives' 60 s timeout.
 
 The references are computed on every rank from the whole system, which every rank builds from the
-same seed: LAPACK's ``?gtsv`` (``tridiag_tutorial.lapack``) and the longdouble-refined reference of
-``tridiag_tutorial.accuracy``, and for gradients the dense reference (``dense_solve``) and
+same seed: LAPACK's ``?gtsv`` (``tridiag_tutorial.kernels.lapack``) and the longdouble-refined reference of
+``tridiag_tutorial.bench.accuracy``, and for gradients the dense reference (``dense_solve``) and
 ``torch.autograd.gradcheck`` of a replicated wrapper.
 """
 
@@ -29,9 +29,11 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from tridiag_tutorial import SingularMatrixError, accuracy, dense_solve, lapack
-from tridiag_tutorial import distributed_solve as ds
-from tridiag_tutorial.multiprocess import free_port
+from tridiag_tutorial import SingularMatrixError, dense_solve
+from tridiag_tutorial import distributed as ds
+from tridiag_tutorial.bench import accuracy
+from tridiag_tutorial.book.multiprocess import free_port
+from tridiag_tutorial.kernels import lapack
 
 from conftest import make_system
 

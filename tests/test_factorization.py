@@ -13,15 +13,14 @@ from torch.func import grad, hessian, jacfwd, jacrev, jvp, vmap
 
 from tridiag_tutorial import (
     TridiagonalFactors,
-    compiled,
     kernels,
-    lapack,
     rules,
     to_dense,
     tridiagonal_lu_factor,
     tridiagonal_lu_solve,
     tridiagonal_solve,
 )
+from tridiag_tutorial.kernels import compiled, lapack
 
 from conftest import ALL_DTYPES, assert_close, make_system
 
@@ -287,16 +286,16 @@ def test_errors_name_the_problem():
 
 
 def test_torch_kernel_factors_do_not_factor_again_in_the_backward(monkeypatch):
-    from tridiag_tutorial import torch_kernel
+    from tridiag_tutorial.kernels import sequential
     args = make_system(6, (2,), dtype=torch.float64, requires_grad=True, seed=16)
     f = tridiagonal_lu_factor(*args[:3], driver="sequential")
     calls = []
-    original = torch_kernel.factor
-    monkeypatch.setattr(torch_kernel, "factor", lambda *a: calls.append(1) or original(*a))
+    original = sequential.factor
+    monkeypatch.setattr(sequential, "factor", lambda *a: calls.append(1) or original(*a))
     x = tridiagonal_lu_solve(f, args[3], driver="sequential")
     torch.autograd.grad(x.sum(), args)
     assert calls == []
-    assert kernels._torch_kernel is torch_kernel
+    assert kernels._sequential is sequential
 
 
 @pytest.mark.parametrize("kernel", ["lapack", "torch"])

@@ -1,4 +1,4 @@
-"""Tests for tridiag_tutorial.finite_diff: accuracy, error orders, gradients, bad input."""
+"""Tests for tridiag_tutorial.book.finite_diff: accuracy, error orders, gradients, bad input."""
 import doctest
 import math
 
@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 import torch
 
-import tridiag_tutorial.finite_diff as fd
-from tridiag_tutorial.finite_diff import (
+import tridiag_tutorial.book.finite_diff as fd
+from tridiag_tutorial.book.finite_diff import (
     central_difference,
     forward_difference,
     numerical_gradient,

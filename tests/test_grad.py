@@ -5,8 +5,8 @@ import torch
 from torch.autograd import gradcheck, gradgradcheck
 
 from tridiag_tutorial import dense_solve, kernels, tridiagonal_solve
-from tridiag_tutorial.autograd_function import tridiagonal_solve_function
-from tridiag_tutorial.custom_op import tridiagonal_solve_custom_op, tridiagonal_solve_op
+from tridiag_tutorial.book.autograd_function import tridiagonal_solve_function
+from tridiag_tutorial.book.custom_op import tridiagonal_solve_custom_op, tridiagonal_solve_op
 from tridiag_tutorial.ops import _factor_op, _factors, _kernel_op
 
 from conftest import assert_close, make_system

@@ -14,7 +14,8 @@ import pytest
 import torch
 
 import tridiag_tutorial
-from tridiag_tutorial import compiled, dense_solve, ops, tridiagonal_solve
+from tridiag_tutorial import dense_solve, ops, tridiagonal_solve
+from tridiag_tutorial.kernels import compiled
 
 from conftest import assert_close, make_system, require_cpp
 
@@ -87,7 +88,8 @@ WITHOUT_EXTENSION = """
     sys.modules["tridiag_tutorial._C"] = None  # `from . import _C` raises ImportError
     import torch
     import tridiag_tutorial
-    from tridiag_tutorial import compiled, kernels, ops, tridiagonal_lu_factor, tridiagonal_lu_solve
+    from tridiag_tutorial import kernels, ops, tridiagonal_lu_factor, tridiagonal_lu_solve
+    from tridiag_tutorial.kernels import compiled
     from tridiag_tutorial import tridiagonal_solve
 
     inputs = torch.load("inputs.pt")

@@ -33,14 +33,13 @@ from torch.autograd import forward_ad as fwAD
 from torch.autograd import gradcheck, gradgradcheck
 
 from tridiag_tutorial import (
-    compiled,
     dense_solve,
     kernels,
-    lapack,
     tridiagonal_lu_factor,
     tridiagonal_lu_solve,
     tridiagonal_solve,
 )
+from tridiag_tutorial.kernels import compiled, lapack
 
 from conftest import KERNELS, make_system, require_cpp
 
@@ -266,7 +265,7 @@ def test_scaled_row_raises(sized):
 
 
 def lapack_reference(lower, diag, upper, rhs):
-    """LAPACK ``?gtsv`` itself (``tridiag_tutorial.lapack``), for ``rhs`` ``(*B, n, k)``."""
+    """LAPACK ``?gtsv`` itself (``tridiag_tutorial.kernels.lapack``), for ``rhs`` ``(*B, n, k)``."""
     return torch.from_numpy(lapack.solve(*(t.numpy() for t in (lower, diag, upper, rhs))))
 
 

@@ -14,17 +14,14 @@ from torch.autograd import gradcheck, gradgradcheck
 import tridiag_tutorial
 from tridiag_tutorial import (
     SingularMatrixError,
-    compiled,
-    custom_op,
     dense_solve,
     kernels,
-    lapack,
-    partitioned,
-    torch_kernel,
     tridiagonal_lu_factor,
     tridiagonal_lu_solve,
     tridiagonal_solve,
 )
+from tridiag_tutorial.book import custom_op
+from tridiag_tutorial.kernels import compiled, lapack, partitioned, sequential
 
 from conftest import (
     ALL_DTYPES,
@@ -289,13 +286,13 @@ def test_cpp_driver_where_the_kernel_was_not_built(monkeypatch):
 # The public functions pass their driver through: spies on the kernels that run.
 # ---------------------------------------------------------------------------------------------
 SPIED = {lapack: ("solve", "factor", "factor_solve"), compiled: ("solve",),
-         partitioned: ("solve",), torch_kernel: ("solve", "factor", "lu_solve")}
+         partitioned: ("solve",), sequential: ("solve", "factor", "lu_solve")}
 
 
 @pytest.fixture
 def ran(monkeypatch):
     """The outermost kernel calls, in order, as "module.function" (a kernel's own calls of
-    another, such as the partitioned kernel's of torch_kernel.lu_solve, are not listed)."""
+    another, such as the partitioned kernel's of sequential.lu_solve, are not listed)."""
     calls, depth = [], [0]
     for module, names in SPIED.items():
         for name in names:
@@ -313,7 +310,7 @@ def ran(monkeypatch):
 
 
 SOLVE_RUNS = {"lapack": "lapack.solve", "cpp": "compiled.solve",
-              "sequential": "torch_kernel.solve", "partitioned": "partitioned.solve"}
+              "sequential": "sequential.solve", "partitioned": "partitioned.solve"}
 
 
 @pytest.mark.parametrize("driver", KERNELS)
@@ -329,7 +326,7 @@ def test_tridiagonal_solve_runs_its_driver(ran, driver):
     args = [t.requires_grad_() for t in args]
     grads = torch.autograd.grad(tridiagonal_solve(*args, driver=driver).square().sum(), args)
     if driver == "sequential":
-        assert ran == ["torch_kernel.factor", "torch_kernel.lu_solve", "torch_kernel.lu_solve"]
+        assert ran == ["sequential.factor", "sequential.lu_solve", "sequential.lu_solve"]
     else:
         assert ran == [SOLVE_RUNS[driver]] * 2
     assert_grads_match_dense(grads, args, lambda x: x.square().sum())
@@ -356,9 +353,9 @@ def test_automatic_choice_is_what_runs(ran, monkeypatch, driver):
 def test_factor_functions_run_their_driver(ran, driver):
     args = make_system(8, (3,), 2, seed=3, requires_grad=True)
     factors = tridiagonal_lu_factor(*args[:3], driver=driver)
-    assert ran == [{"lapack": "lapack.factor", "sequential": "torch_kernel.factor"}[driver]]
+    assert ran == [{"lapack": "lapack.factor", "sequential": "sequential.factor"}[driver]]
     ran.clear()
-    solve_runs = {"lapack": "lapack.factor_solve", "sequential": "torch_kernel.lu_solve"}[driver]
+    solve_runs = {"lapack": "lapack.factor_solve", "sequential": "sequential.lu_solve"}[driver]
     for trans in ("N", "T", "C"):
         x = tridiagonal_lu_solve(factors, args[3], trans, driver=driver)
         grads = torch.autograd.grad(x.square().sum(), args)
@@ -498,7 +495,7 @@ def test_lu_factors_solve_every_transpose(dtype, n, trans):
     y = lapack.factor_solve(lu, pivots, rhs.numpy(), trans)
     assert_close(torch.from_numpy(y), dense_solve(*a, rhs))
     lu_t, pivots_t = torch.from_numpy(lu), torch.from_numpy(pivots)
-    assert_close(torch_kernel.lu_solve(lu_t, pivots_t, rhs, trans), dense_solve(*a, rhs))
+    assert_close(sequential.lu_solve(lu_t, pivots_t, rhs, trans), dense_solve(*a, rhs))
 
 
 def test_batched_factors_equal_one_call_per_system():
@@ -523,7 +520,7 @@ def test_torch_kernel_factors_equal_lapack_factors(n):
     if n > 1:
         diag[:, 0] = 0.0
     lu, pivots = lapack.factor(*numpy_args(lower, diag, upper))
-    lu_t, pivots_t = torch_kernel.factor(lower, diag, upper)
+    lu_t, pivots_t = sequential.factor(lower, diag, upper)
     torch.testing.assert_close(lu_t, torch.from_numpy(lu), rtol=0, atol=0)
     torch.testing.assert_close(pivots_t, torch.from_numpy(pivots), rtol=0, atol=0)
 
@@ -627,7 +624,7 @@ def test_lapack_backward_solves_again_with_the_adjoint(monkeypatch, dtype, n, ba
 @pytest.mark.parametrize("dtype", [torch.float64, torch.complex128], ids=str)
 def test_torch_kernel_backward_reuses_the_forward_factors(monkeypatch, dtype):
     """The sequential kernel factors once and solves with A (forward) then A^T or A^H (backward)."""
-    calls = count_calls(monkeypatch, torch_kernel, ("factor", "lu_solve"))
+    calls = count_calls(monkeypatch, sequential, ("factor", "lu_solve"))
     args = make_system(6, (2,), 2, dtype=dtype, requires_grad=True, seed=34)
     grads = torch.autograd.grad(squared_norm(tridiagonal_solve(*args, driver="sequential")), args)
     assert calls == ["factor", "lu_solve(N)", "lu_solve(C)"]  # A^H (A^T for real dtypes)
@@ -635,7 +632,7 @@ def test_torch_kernel_backward_reuses_the_forward_factors(monkeypatch, dtype):
     calls.clear()
     with torch.no_grad():
         tridiagonal_solve(*args, driver="sequential")
-    assert calls == ["factor", "lu_solve(N)"]  # torch_kernel.solve: no factors kept
+    assert calls == ["factor", "lu_solve(N)"]  # sequential.solve: no factors kept
 
 
 @pytest.mark.parametrize("kernel", KERNELS)
@@ -666,7 +663,7 @@ def test_lu_solve_with_factors_runs_no_factorisation(monkeypatch, driver):
     args = make_system(6, (2,), 2, requires_grad=True, seed=39)
     factors = tridiagonal_lu_factor(*args[:3], driver=driver)
     if driver == "sequential":
-        module, names, solve = torch_kernel, ("factor", "solve", "lu_solve"), "lu_solve"
+        module, names, solve = sequential, ("factor", "solve", "lu_solve"), "lu_solve"
     else:
         module, names, solve = lapack, LAPACK_ENTRY_POINTS, "factor_solve"
     calls = count_calls(monkeypatch, module, names)

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import torch
 
-from tridiag_tutorial import lapack
+from tridiag_tutorial.kernels import lapack
 
 DTYPES = [np.float32, np.float64, np.complex64, np.complex128]
 TOL = {np.float32: 2e-4, np.complex64: 2e-4, np.float64: 1e-11, np.complex128: 1e-11}

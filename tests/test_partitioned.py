@@ -13,11 +13,10 @@ from tridiag_tutorial import (
     dense_solve,
     kernels,
     ops,
-    partitioned,
-    torch_kernel,
     tridiag_matmul,
     tridiagonal_solve,
 )
+from tridiag_tutorial.kernels import partitioned, sequential
 
 from conftest import (
     ALL_DTYPES,
@@ -34,13 +33,13 @@ on_partitioned = functools.partial(tridiagonal_solve, driver="partitioned")
 @pytest.fixture
 def no_fallback(monkeypatch):
     """The sequential kernel's solve (the fallback) must not run: the partitioned result stands."""
-    monkeypatch.setattr(torch_kernel, "solve", lambda *a: pytest.fail("the fallback ran"))
+    monkeypatch.setattr(sequential, "solve", lambda *a: pytest.fail("the fallback ran"))
 
 
 @pytest.fixture
 def fallbacks(monkeypatch):
-    calls, original = [], torch_kernel.solve
-    monkeypatch.setattr(torch_kernel, "solve", lambda *a: calls.append(1) or original(*a))
+    calls, original = [], sequential.solve
+    monkeypatch.setattr(sequential, "solve", lambda *a: calls.append(1) or original(*a))
     return calls
 
 
@@ -277,7 +276,7 @@ def test_block_must_be_at_least_two():
 
 
 def count_ops(fn, *args):
-    from tridiag_tutorial import benchmarks
+    from tridiag_tutorial.bench import benchmarks
 
     return benchmarks._count_operations(lambda: fn(*args))
 
@@ -289,15 +288,15 @@ def test_operation_count_grows_like_log_n():
               for n in (10**4, 10**5)}
     assert counts[10**5] <= 1.5 * counts[10**4]
     assert counts[10**5] < 4000  # about 30 operations per row: the sequential kernel'd need 3e6
-    sequential = count_ops(torch_kernel.solve, *make_system(100, (), 1, seed=1))
-    assert sequential > 30 * 100  # the premise: O(n) for the sequential kernel
+    one_chain = count_ops(sequential.solve, *make_system(100, (), 1, seed=1))
+    assert one_chain > 30 * 100  # the premise: O(n) for the sequential kernel
 
 
 def test_operation_count_through_the_op_forward_and_backward(monkeypatch):
     """The public op on the torch kernels, forward and backward of all four inputs, n = 1e5:
     the operations of its kernel calls (counted inside them: a dispatch mode around the whole
     call would see each custom op as one operation)."""
-    from tridiag_tutorial import benchmarks
+    from tridiag_tutorial.bench import benchmarks
 
     counts, original = [], ops._kernel  # kernels.solve
 
@@ -346,7 +345,7 @@ def test_backward_solves_with_the_adjoint_on_the_partitioned_kernel(monkeypatch)
     """No factors are kept for the partitioned kernel: the backward solves A^H v = g with it."""
     calls, original = [], partitioned.solve
     monkeypatch.setattr(partitioned, "solve", lambda *a: calls.append(1) or original(*a))
-    monkeypatch.setattr(torch_kernel, "factor", lambda *a: pytest.fail("factored"))
+    monkeypatch.setattr(sequential, "factor", lambda *a: pytest.fail("factored"))
     args = make_system(N, (2,), 2, dtype=torch.complex128, requires_grad=True, seed=12)
     loss = lambda x: x.abs().square().sum()
     grads = torch.autograd.grad(loss(on_partitioned(*args)), args)

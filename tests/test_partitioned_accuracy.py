@@ -12,15 +12,9 @@ import pytest
 import torch
 from torch.func import vmap
 
-from tridiag_tutorial import (
-    SingularMatrixError,
-    accuracy,
-    compiled,
-    kernels,
-    lapack,
-    partitioned,
-    tridiagonal_solve,
-)
+from tridiag_tutorial import SingularMatrixError, kernels, tridiagonal_solve
+from tridiag_tutorial.bench import accuracy
+from tridiag_tutorial.kernels import compiled, lapack, partitioned
 
 from conftest import make_system, torch_ops_driver
 

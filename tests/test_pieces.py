@@ -25,7 +25,9 @@ import pytest
 import torch
 from scipy.linalg import lapack as scipy_lapack
 
-from tridiag_tutorial import SingularMatrixError, accuracy, compiled, tridiagonal_solve
+from tridiag_tutorial import SingularMatrixError, tridiagonal_solve
+from tridiag_tutorial.bench import accuracy
+from tridiag_tutorial.kernels import compiled
 
 from conftest import REAL_DTYPES, assert_grads_match_dense, make_system, require_cpp
 
@@ -94,7 +96,7 @@ def make_family(family, n, dtype, k=None, seed=0):
     if k is None, else ``(n, k)``, N(0, 1) (row-scaled with the rows for scaled_rows).
 
     - dominant, pivoting (accuracy.make's "random"), nearly_singular_block, zero_diagonal:
-      :func:`tridiag_tutorial.accuracy.make`;
+      :func:`tridiag_tutorial.bench.accuracy.make`;
     - heat_R: I + R tridiag(-1, 2, -1), an implicit heat step;
     - near_toeplitz: tridiag(-1, 2.001, -1); poisson: tridiag(-1, 2, -1);
     - scaled_rows: pivoting with row i and its right-hand side times 10^(t_i + U(-1, 1)), t_i

@@ -76,7 +76,7 @@ def _torch_state(py: Path) -> tuple[str, str]:
 PROBE = """
 import json, warnings
 import torch, tridiag_tutorial as t
-from tridiag_tutorial import compiled
+from tridiag_tutorial.kernels import compiled
 l, d = torch.ones(4, dtype=torch.float64), torch.full((5,), 3.0, dtype=torch.float64)
 with warnings.catch_warnings(record=True) as caught:
     warnings.simplefilter("always")

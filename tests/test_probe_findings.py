@@ -4,7 +4,7 @@ the exception raised.
 1. ``driver="partitioned"`` with a singular ``A`` and ``k = 0`` columns raises as the others do.
 2. ``driver="partitioned"`` on small systems with two or more batch dimensions (directly, under
    ``torch.func.vmap`` and on DTensors) answers as the dense reference does.
-3. :func:`~tridiag_tutorial.distributed_solve.split_solve` with ranks that disagree on
+3. :func:`~tridiag_tutorial.distributed.solve.split_solve` with ranks that disagree on
    ``refinement_steps`` or on the function called raises a ``ValueError`` on every rank, neither
    hangs nor aborts.
 4. A complex, exactly singular matrix raises on the kernels in torch ops where LAPACK raises.
@@ -23,13 +23,13 @@ from tridiag_tutorial import (
     SingularMatrixError,
     TridiagonalFactors,
     dense_solve,
-    lapack,
     to_dense,
     tridiagonal_lu_factor,
     tridiagonal_lu_solve,
     tridiagonal_solve,
 )
-from tridiag_tutorial.multiprocess import run_on_ranks
+from tridiag_tutorial.book.multiprocess import run_on_ranks
+from tridiag_tutorial.kernels import lapack
 
 from conftest import assert_close, make_system
 
@@ -120,7 +120,7 @@ def test_partitioned_on_dtensors_of_a_batch(n):
 # 3. split_solve: ranks that disagree
 # --------------------------------------------------------------------------------------------
 def _mismatch_worker(rank, world_size, case):
-    from tridiag_tutorial import distributed_solve as ds
+    from tridiag_tutorial import distributed as ds
 
     n = 12
     args = make_system(n, (), 1)

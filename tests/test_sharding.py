@@ -1,4 +1,4 @@
-"""DTensor inputs: the sharding rules of :mod:`tridiag_tutorial.sharding`.
+"""DTensor inputs: the sharding rules of :mod:`tridiag_tutorial.distributed.sharding`.
 
 The multi-process checks spawn ``gloo`` processes on the CPU (world sizes 2 and 4), build a
 ``DeviceMesh`` of all ranks and call the public functions on DTensors: each result must equal the
@@ -33,7 +33,7 @@ from tridiag_tutorial import (
     tridiagonal_lu_solve,
     tridiagonal_solve,
 )
-from tridiag_tutorial.multiprocess import free_port
+from tridiag_tutorial.book.multiprocess import free_port
 
 from conftest import assert_close, make_system
 
@@ -332,7 +332,7 @@ def _checks_worker(rank: int, world: int, port: int) -> None:
     try:
         from torch.distributed.device_mesh import init_device_mesh
 
-        import tridiag_tutorial.sharding  # noqa: F401  (registers the rules)
+        import tridiag_tutorial.distributed.sharding  # noqa: F401  (registers the rules)
 
         mesh = init_device_mesh("cpu", (world,))
         run_checks(mesh, world)
@@ -387,12 +387,12 @@ FRESH = """
     print(json.dumps(errors))
     try:
         x = tridiagonal_solve(*inputs)
-        print(json.dumps(["solved", "tridiag_tutorial.sharding" in sys.modules,
+        print(json.dumps(["solved", "tridiag_tutorial.distributed.sharding" in sys.modules,
                           torch.allclose(x.full_tensor(), dense_solve(*system))]))
     except NotImplementedError as err:
         print(json.dumps(["raised", str(err).splitlines()[0]]))
 
-    import tridiag_tutorial.sharding as sharding
+    import tridiag_tutorial.distributed.sharding as sharding
     funcs = DTensor._op_dispatcher.sharding_propagator.op_strategy_funcs
     overloads = [getattr(ops, name).default for name in sharding.OPS]
     before = [funcs.get(op) for op in overloads]
@@ -413,7 +413,7 @@ def test_in_a_fresh_process_the_ops_fail_until_the_rules_are_registered():
     registered, the ops called on DTensors fail with DTensor's message (so the rules are what
     makes the other tests work); the public function registers the rules the first time it meets
     a DTensor, and solves;
-    ``import tridiag_tutorial.sharding`` registers the rules of the three ops, a second
+    ``import tridiag_tutorial.distributed.sharding`` registers the rules of the three ops, a second
     ``register()`` changes nothing, and the public function then solves."""
     done = subprocess.run([sys.executable, "-c", textwrap.dedent(FRESH), str(free_port())],
                           capture_output=True, text=True, timeout=120)
@@ -437,7 +437,7 @@ def test_solve_strategies_list_the_promised_placements(factored):
     absent factors and for the two strings."""
     from torch.distributed.tensor import Replicate, Shard
 
-    from tridiag_tutorial.sharding import solve_strategies
+    from tridiag_tutorial.distributed.sharding import solve_strategies
 
     lu, pivots = (_spec(4), _spec(3)) if factored else (None, None)
     got = solve_strategies(_spec(3), _spec(3), _spec(3), _spec(4), lu, pivots, "N", "lapack")
@@ -458,7 +458,7 @@ def test_solve_strategies_list_the_promised_placements(factored):
 def test_lu_factor_strategies_list_the_promised_placements():
     from torch.distributed.tensor import Replicate, Shard
 
-    from tridiag_tutorial.sharding import lu_factor_strategies
+    from tridiag_tutorial.distributed.sharding import lu_factor_strategies
 
     got = lu_factor_strategies(_spec(2), _spec(2), _spec(2), "lapack")
     R = Replicate()

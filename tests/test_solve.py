@@ -7,8 +7,8 @@ import torch
 
 import tridiag_tutorial
 from tridiag_tutorial import dense_solve, to_dense, tridiag_matmul, tridiagonal_solve
-from tridiag_tutorial.autograd_function import tridiagonal_solve_function
-from tridiag_tutorial.custom_op import tridiagonal_solve_custom_op
+from tridiag_tutorial.book.autograd_function import tridiagonal_solve_function
+from tridiag_tutorial.book.custom_op import tridiagonal_solve_custom_op
 
 from conftest import ALL_DTYPES, REAL_DTYPES, assert_close, make_system
 

@@ -19,7 +19,7 @@ import pytest
 import scipy.linalg
 import torch
 
-from tridiag_tutorial import compiled
+from tridiag_tutorial.kernels import compiled
 
 from conftest import require_cpp
 
@@ -87,7 +87,7 @@ ONE_CORE_TWO_THREADS = textwrap.dedent("""
     import json, os, sys
     os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})  # before torch starts its threads
     import torch
-    from tridiag_tutorial import compiled
+    from tridiag_tutorial.kernels import compiled
     sys.path.insert(0, sys.argv[1])
     from test_thread_budget import dominant_batch, same_bits
 

@@ -71,7 +71,7 @@ def test_without_a_compiler_the_wheel_installs_and_runs_on_lapack(tmp_path):
     assert "LAPACK" in notices[0]
     script = """
 import torch, tridiag_tutorial as t
-from tridiag_tutorial import compiled
+from tridiag_tutorial.kernels import compiled
 assert "site" in t.__file__, t.__file__
 assert not t.cpp_available() and compiled.BUILD_ERROR
 l, d, u = torch.ones(2, 4, dtype=torch.float64), torch.full((2, 5), 3.0, dtype=torch.float64), \
@@ -95,7 +95,7 @@ def test_the_extension_uses_only_the_stable_abi():
     a C function of the stable ABI's shim (``aoti_torch_*``, ``torch_*``): none of libtorch's or
     c10's C++ symbols, which change between releases. So one build loads in later torch releases."""
     require_cpp()
-    from tridiag_tutorial import compiled
+    from tridiag_tutorial.kernels import compiled
 
     path = compiled.library_path()
     assert path.endswith(".abi3.so"), path

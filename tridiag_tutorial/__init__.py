@@ -3,12 +3,12 @@
 The public face is :func:`tridiagonal_solve`, and :func:`tridiagonal_lu_factor` /
 :func:`tridiagonal_lu_solve` for a matrix used many times; chapters import the modules that hold each stage:
 
-- :mod:`tridiag_tutorial.lapack`: LAPACK ``?gtsv``, ``?gttrf``, ``?gttrs`` through SciPy;
+- :mod:`tridiag_tutorial.kernels.lapack`: LAPACK ``?gtsv``, ``?gttrf``, ``?gttrs`` through SciPy;
 - :mod:`tridiag_tutorial.rules`: the backward and forward-mode formulas (chapter 3);
 - :mod:`tridiag_tutorial.reference`: dense references for tests and chapters;
 - :mod:`tridiag_tutorial.kernels`: the ``driver`` argument: which kernel runs (LAPACK, C++,
   sequential or partitioned torch ops), and the automatic choice;
-- :mod:`tridiag_tutorial.compiled`: the C++ kernel, built at install (chapter 12);
+- :mod:`tridiag_tutorial.kernels.compiled`: the C++ kernel, built at install (chapter 12);
 - :mod:`tridiag_tutorial.ops`: the final op.
 """
 

@@ -77,7 +77,7 @@ from typing import NamedTuple
 
 import torch
 
-from . import _compat, compiled, kernels, rules
+from . import _compat, kernels, rules
 from ._validation import (
     SingularMatrixError,
     validate,
@@ -86,6 +86,7 @@ from ._validation import (
     validate_factors,
     validate_kernel_args,
 )
+from .kernels import compiled
 
 __all__ = ["tridiagonal_solve", "tridiagonal_lu_factor", "tridiagonal_lu_solve",
            "TridiagonalFactors", "SCHEMAS"]
@@ -130,17 +131,17 @@ def _direct(*tensors) -> bool:
 
 
 def _register_sharding_for(tensors) -> None:
-    """Register DTensor's sharding rules for the ops (:mod:`tridiag_tutorial.sharding`) the first
+    """Register DTensor's sharding rules for the ops (:mod:`tridiag_tutorial.distributed.sharding`) the first
     time a DTensor reaches one, so that a caller need not know to import that module. Importing it
     registers them, so they are registered exactly when it is in ``sys.modules``. Where
     ``torch.distributed.tensor`` is not imported, no tensor can be a DTensor, and the package
     does not import it: the check is two dictionary lookups. Not while compiling: import
-    :mod:`tridiag_tutorial.sharding` before compiling a function of DTensors."""
-    if torch.compiler.is_compiling() or "tridiag_tutorial.sharding" in sys.modules:
+    :mod:`tridiag_tutorial.distributed.sharding` before compiling a function of DTensors."""
+    if torch.compiler.is_compiling() or "tridiag_tutorial.distributed.sharding" in sys.modules:
         return
     dtensor = sys.modules.get("torch.distributed.tensor")
     if dtensor is not None and any(isinstance(t, dtensor.DTensor) for t in tensors):
-        from . import sharding  # noqa: F401  (importing it registers the rules)
+        from .distributed import sharding  # noqa: F401  (importing it registers the rules)
 
 
 def _unobserved(args) -> bool:
@@ -652,7 +653,7 @@ def tridiagonal_solve(lower: torch.Tensor, diag: torch.Tensor, upper: torch.Tens
     again with ``A^H`` on the same kernel. On other devices kernels in torch ops run: for ``n < 64`` the
     sequential kernel (the same pivoting), which, when a backward will follow, factors once and
     lets the backward reuse the factors; for ``n >= 64`` the partitioned kernel
-    (:mod:`tridiag_tutorial.partitioned`, O(log n) operations; it checks its answer and solves
+    (:mod:`tridiag_tutorial.kernels.partitioned`, O(log n) operations; it checks its answer and solves
     again with the sequential kernel where the check fails), whose backward solves with ``A^H``.
     Gradients flow to all four inputs, to any order; ``torch.compile(fullgraph=True)`` traces it
     with no graph break. Inputs are never modified. To solve many times with one matrix, see

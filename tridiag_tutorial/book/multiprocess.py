@@ -9,7 +9,7 @@ notebook two things get in the way, and :func:`run_on_ranks` handles both:
   runs torch's thread pools is unsafe), and a spawned process finds the function to run by
   importing it. A function defined in a notebook cell lives in the kernel's ``__main__``, which a
   fresh interpreter cannot import. So the function must come from a module
-  (:mod:`tridiag_tutorial.parallel_demos` holds the chapter's); :func:`run_on_ranks` says so
+  (:mod:`tridiag_tutorial.book.parallel_demos` holds the chapter's); :func:`run_on_ranks` says so
   before it starts anything when it is given one from ``__main__``.
 - A failure in one rank must reach the caller as an error, never as a hang. A rank that raises
   is reported with its rank and its own traceback; a rank that dies without a word (a crash,

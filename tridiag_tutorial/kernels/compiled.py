@@ -23,7 +23,7 @@ argument and says how often it handed a system back). The rows are cut into piec
 piece, together with two "spikes" (the pieces' couplings to their neighbours); a small banded
 system in the unknowns at the pieces' ends joins them, and each piece is solved again with its
 neighbours' values. One thread does it all. Its rounding differs from ``?gtsv``'s (it does not
-pivot across the ends of the pieces); on the families of ``python -m tridiag_tutorial.accuracy``
+pivot across the ends of the pieces); on the families of ``python -m tridiag_tutorial.bench.accuracy``
 its forward error stayed within 10 times LAPACK's. It hands the system to the sequential
 elimination, which is ``?gtsv``'s, where it cannot vouch for its answer: a zero or non-finite
 pivot in a piece, a step that cancels to rounding, a (nearly) zero pivot in the joining system, a
@@ -49,7 +49,7 @@ from typing import NamedTuple
 
 import torch
 
-from ._validation import SingularMatrixError
+from .._validation import SingularMatrixError
 
 __all__ = ["is_available", "library_path", "thread_budget", "ThreadBudget", "solve", "solve_ex", "solve_backward", "PIECES_MIN_N",
            "BUILD_ERROR", "repair_command"]
@@ -72,7 +72,7 @@ def _build_report() -> dict:
     from pathlib import Path
 
     try:
-        return json.loads((Path(__file__).with_name("_build_info.json")).read_text())
+        return json.loads((Path(__file__).parent.parent / "_build_info.json").read_text())
     except (OSError, ValueError):
         return {}
 
@@ -85,7 +85,7 @@ if os.environ.get(DISABLE_ENV) == "1":
 else:
     DISABLED = False
     try:
-        from . import _C
+        from .. import _C
     except ImportError as err:  # not built at install, or built for another platform
         _C = None
         _REPORT = _build_report()

@@ -1,6 +1,6 @@
 r"""A partitioned solver in torch ops: O(log n) dispatched operations for one large system.
 
-The pivoting kernel of :mod:`tridiag_tutorial.torch_kernel` eliminates one row after another, so
+The pivoting kernel of :mod:`tridiag_tutorial.kernels.sequential` eliminates one row after another, so
 one system of ``n`` unknowns costs about ``30 n`` torch operations; on a GPU each is a kernel
 launch. This kernel cuts the system into blocks and solves **all blocks at once** with that same
 pivoting kernel (the blocks become a batch), so the sequential part is one block long:
@@ -48,7 +48,7 @@ pivot made of round-off where LAPACK finds an exact zero. So the kernel
 If any check fails, the whole call is solved again by the sequential pivoting kernel, which
 makes LAPACK's pivot decisions: it returns LAPACK's answer or raises
 :class:`torch.linalg.LinAlgError` where LAPACK does. The check reads one boolean back from the
-device. Measured (``python -m tridiag_tutorial.accuracy``, the stored
+device. Measured (``python -m tridiag_tutorial.bench.accuracy``, the stored
 ``notebooks/data/accuracy_results.json``: five families of systems, float32 and float64, n = 64,
 1000 and 1e5), the forward error was at most LAPACK's on every system where LAPACK's is below
 1e-2 (the median ratio per family and dtype 0.06 to 1, the largest 1; the kernel before this
@@ -82,7 +82,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from . import torch_kernel
+from . import sequential
 
 __all__ = ["BLOCK", "REFINEMENT_STEPS", "CONVERGENCE_TOL", "SINGULAR_MARGIN", "GROWTH_TOL", "solve",
            "levels"]
@@ -125,7 +125,7 @@ def solve(lower: torch.Tensor, diag: torch.Tensor, upper: torch.Tensor, rhs: tor
         correction = _solve_phase(levels_, residual(x), block)
         x = x + correction
     if bool(_answer_is_suspect(lower, diag, upper, rhs, x, correction, k, _growth(levels_))):  # one device read
-        return torch_kernel.solve(lower, diag, upper, rhs)
+        return sequential.solve(lower, diag, upper, rhs)
     return x[..., :k].contiguous()
 
 
@@ -200,8 +200,8 @@ def _factor_solve(lower, diag, upper, rhs, m):
     :func:`_solve_phase` reuses for further right-hand sides."""
     n, k = rhs.shape[-2], rhs.shape[-1]
     if not _partitions(n, m):
-        lu, pivots = torch_kernel.factor_unchecked(lower, diag, upper)
-        return torch_kernel.lu_solve(lu, pivots, rhs), [_Level(lu, pivots)]
+        lu, pivots = sequential.factor_unchecked(lower, diag, upper)
+        return sequential.lu_solve(lu, pivots, rhs), [_Level(lu, pivots)]
     p = -(-(n + 1) // (m + 1))  # blocks; the last separator row is always padding
     pad = p * (m + 1) - n
     # full-length bands: lo[i] = A[i, i-1], up[i] = A[i, i+1], zero where there is no entry
@@ -211,10 +211,10 @@ def _factor_solve(lower, diag, upper, rhs, m):
     b = _rhs_blocks(rhs, p, m, pad)
 
     # 2. every block at once: A_j [y, v, w] = [b_j, lo_j[0] e_1, up_j[m-1] e_m]
-    lu, pivots = torch_kernel.factor_unchecked(lo[..., 1:m], d[..., :m], up[..., :m - 1])
+    lu, pivots = sequential.factor_unchecked(lo[..., 1:m], d[..., :m], up[..., :m - 1])
     spike_left = F.pad(lo[..., :1], (0, m - 1))  # (*B, p, m): lo_j[0] in the first row
     spike_right = F.pad(up[..., m - 1:m], (m - 1, 0))  # up_j[m-1] in the last row
-    solved = torch_kernel.lu_solve(
+    solved = sequential.lu_solve(
         lu, pivots, torch.cat([b[..., :m, :], spike_left[..., None], spike_right[..., None]], -1))
     y, v, w = solved[..., :k], solved[..., k:k + 1], solved[..., k + 1:]
     level = _Level(lu, pivots, v, w, lo[..., m], up[..., m])
@@ -237,10 +237,10 @@ def _solve_phase(levels_: list, rhs: torch.Tensor, m: int) -> torch.Tensor:
     spikes, only the blocks' solves with ``rhs``, the reduced systems' and the recoveries."""
     level, n = levels_[0], rhs.shape[-2]
     if level.v is None:
-        return torch_kernel.lu_solve(level.lu, level.pivots, rhs)
+        return sequential.lu_solve(level.lu, level.pivots, rhs)
     p = level.lu.shape[-3]
     b = _rhs_blocks(rhs, p, m, p * (m + 1) - n)
-    y = torch_kernel.lu_solve(level.lu, level.pivots, b[..., :m, :])
+    y = sequential.lu_solve(level.lu, level.pivots, b[..., :m, :])
     s = _solve_phase(levels_[1:], _reduced_rhs(b, y, level, m), m)
     return _recover(y, s, level, n)
 

@@ -31,7 +31,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from ._validation import SingularMatrixError
+from .._validation import SingularMatrixError
 
 __all__ = ["LUFactors", "gtsv", "gttrf", "gttrs", "solve", "factor", "factor_solve"]
 

@@ -1,8 +1,8 @@
 r"""How accurate the partitioned kernel is, against LAPACK on the same systems.
 
 For each family of systems below, in float32 and float64 and for a few sizes from 64 to 1e5
-unknowns, this module solves seeded random systems with :func:`tridiag_tutorial.partitioned.solve`
-and with LAPACK's ``?gtsv`` (:func:`tridiag_tutorial.lapack.gtsv`) in the same dtype, and reports
+unknowns, this module solves seeded random systems with :func:`tridiag_tutorial.kernels.partitioned.solve`
+and with LAPACK's ``?gtsv`` (:func:`tridiag_tutorial.kernels.lapack.gtsv`) in the same dtype, and reports
 the ratio of their forward errors, ``max|x - x_ref| / max|x_ref|``: the median, the largest, and
 how many systems the partitioned kernel handed to its fallback (the sequential kernel). The
 reference ``x_ref`` is LAPACK's float64 solution refined with residuals in NumPy's ``longdouble``
@@ -14,15 +14,15 @@ an elimination as backward stable as LAPACK's, rounding in another order, lands 
 a rank-1 2 x 2 block) are counted apart: how many raise
 :class:`~tridiag_tutorial.SingularMatrixError` on LAPACK and on the kernel, and how many disagree.
 
-``python -m tridiag_tutorial.accuracy --out notebooks/data/accuracy_results.json`` measures the
+``python -m tridiag_tutorial.bench.accuracy --out notebooks/data/accuracy_results.json`` measures the
 kernel as it is (``after``) and the kernel before refinement was added (``before``: ``git show
-BEFORE:tridiag_tutorial/partitioned.py``, where git and that commit are there) and writes
+BEFORE:tridiag_tutorial/kernels/partitioned.py``, where git and that commit are there) and writes
 both with the machine's description; ``--quick`` runs a small sample. Chapter 15 renders the
 table.
 
 The same families, and the 1-D Poisson matrix ``tridiag(-1, 2, -1)`` and an implicit heat step
 ``I + 1e4 tridiag(-1, 2, -1)`` besides, measure the C++ kernel's solve of one large system in
-pieces (``pieces``, where the C++ kernel is built): :func:`tridiag_tutorial.compiled.solve_ex`
+pieces (``pieces``, where the C++ kernel is built): :func:`tridiag_tutorial.kernels.compiled.solve_ex`
 with ``pieces_min_n=0``, so that n = 1000 runs it as well as 1e5. Its fallbacks are the systems it
 handed to the sequential elimination (``?gtsv``'s operations), as ``solve_ex`` counts them.
 ``--kernels pieces --merge FILE`` measures it alone and adds it to an earlier file. Chapter 12
@@ -44,8 +44,8 @@ import time
 import numpy as np
 import torch
 
-from . import compiled, lapack, partitioned, torch_kernel
-from ._validation import SingularMatrixError
+from .._validation import SingularMatrixError
+from ..kernels import compiled, lapack, partitioned, sequential
 
 __all__ = ["FAMILIES", "SINGULAR_FAMILIES", "KERNELS", "make", "reference", "reversed_gtsv", "forward_error",
            "measure", "main"]
@@ -180,17 +180,17 @@ def _torch(*arrays):
 def _kernel_solve(solve, system):
     """``(x, fell_back)`` of ``solve`` (a module's ``solve``) on one system; raises
     :class:`~tridiag_tutorial.SingularMatrixError`."""
-    calls, original = [], torch_kernel.solve
+    calls, original = [], sequential.solve
 
     def counting(*args):
         calls.append(1)
         return original(*args)
 
-    torch_kernel.solve = counting
+    sequential.solve = counting
     try:
         x = solve(*_torch(*system))
     finally:
-        torch_kernel.solve = original
+        sequential.solve = original
     return x.numpy(), bool(calls)
 
 
@@ -287,9 +287,9 @@ def _load_module(source: str, name: str):
 
 def committed_kernel(revision: str = BEFORE):
     """The partitioned kernel of ``revision`` (``git show``), or None where git cannot show it."""
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     try:
-        source = subprocess.run(["git", "show", f"{revision}:tridiag_tutorial/partitioned.py"],
+        source = subprocess.run(["git", "show", f"{revision}:tridiag_tutorial/kernels/partitioned.py"],
                                 cwd=root, capture_output=True, text=True, check=True).stdout
     except (OSError, subprocess.CalledProcessError):
         return None

@@ -2,9 +2,9 @@
 
 Run::
 
-    python -m tridiag_tutorial.benchmarks                  # the full suite (see below)
-    python -m tridiag_tutorial.benchmarks --quick          # tiny sizes: a smoke test
-    python -m tridiag_tutorial.benchmarks --out results.json
+    python -m tridiag_tutorial.bench.benchmarks                  # the full suite (see below)
+    python -m tridiag_tutorial.bench.benchmarks --quick          # tiny sizes: a smoke test
+    python -m tridiag_tutorial.bench.benchmarks --out results.json
 
 With ``--min-time 0.1 --repeats 4``, the settings of the results the book renders, the main
 rows and the comparison with JAX took about 17 minutes on a 2-core machine (10 and 7; the
@@ -100,11 +100,12 @@ from scipy.linalg import get_lapack_funcs
 from torch.utils import benchmark
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from . import compiled, kernels
-from .autograd_function import tridiagonal_solve_function
-from .custom_op import tridiagonal_solve_custom_op
-from .ops import tridiagonal_lu_factor, tridiagonal_lu_solve, tridiagonal_solve
-from .reference import dense_solve
+from .. import kernels
+from ..book.autograd_function import tridiagonal_solve_function
+from ..book.custom_op import tridiagonal_solve_custom_op
+from ..kernels import compiled
+from ..ops import tridiagonal_lu_factor, tridiagonal_lu_solve, tridiagonal_solve
+from ..reference import dense_solve
 
 __all__ = ["run", "run_time_stepping", "run_compiled_kernel", "run_torch_kernels",
            "run_against_jax", "run_one_system", "run_routes", "run_cliffs", "CountOperations", "evaluate_targets",
@@ -354,7 +355,7 @@ def _cpp_or_log(log) -> bool:
     """Whether the C++ kernel was built at install (``driver="cpp"``); if not, the reason logged."""
     if kernels.cpp_available():
         return True
-    from . import compiled
+    from ..kernels import compiled
     log(f"  (no C++ kernel rows: it was not built at install: {compiled.BUILD_ERROR})")
     return False
 
@@ -575,13 +576,13 @@ COMPILED_CASES = [(256, 1024), (64, 16384), (8, 100000), (10**5, 0), (10**6, 0)]
 def run_compiled_kernel(cases=COMPILED_CASES, threads=(1, None), min_time=0.2, repeats=15,
                         log=print, recorder=None):
     """Time the compiled kernel's interleaved elimination (the op built at install,
-    ``torch.ops.tridiag_tutorial.cpp_solve_ex``, through :func:`tridiag_tutorial.compiled.solve_ex`
+    ``torch.ops.tridiag_tutorial.cpp_solve_ex``, through :func:`tridiag_tutorial.kernels.compiled.solve_ex`
     with the solve in pieces off, so that one system is one chain: chapter 12 compares the
     two), a Python loop of raw ``dgtsv``, the joined ``lapack.solve`` and, if installed, JAX,
     forward only, float64. Returns rows with ``seconds``, ``ns_per_unknown`` and ``ratio`` to the
     ``dgtsv`` loop. Raises ``RuntimeError`` where the C++ kernel was not built. ``recorder``: as
     :func:`run`'s, a case (its rows timed together) at a time."""
-    from . import compiled, lapack
+    from ..kernels import compiled, lapack
     if not compiled.is_available():
         raise RuntimeError(compiled._missing_message())
 
@@ -650,13 +651,12 @@ def _count_operations(fn) -> int:
 
 def run_torch_kernels(cases=TORCH_KERNEL_CASES, threads=(1, None), min_time=0.2, repeats=15,
                       log=print, recorder=None):
-    """Time the sequential torch kernel (:func:`tridiag_tutorial.torch_kernel.solve`), the
-    partitioned one (:func:`tridiag_tutorial.partitioned.solve`) and the ``dgtsv`` loop, forward,
+    """Time the sequential torch kernel (:func:`tridiag_tutorial.kernels.sequential.solve`), the
+    partitioned one (:func:`tridiag_tutorial.kernels.partitioned.solve`) and the ``dgtsv`` loop, forward,
     float64. Returns rows with ``seconds``, ``operations`` (dispatched, for the torch kernels),
     ``ratio`` to the ``dgtsv`` loop and ``vs_sequential`` (partitioned / sequential).
     ``recorder``: as :func:`run`'s, a case (its rows timed together) at a time."""
-    from . import partitioned
-    from . import torch_kernel as sequential
+    from ..kernels import partitioned, sequential
     recorder = recorder or _NO_RECORDER
     recorder.begin([dict(threads=count, n=n, batch=batch)
                     for count in _thread_count_values(threads) for n, batch in cases])
@@ -1012,7 +1012,7 @@ with open(sys.argv[1]) as f:
 if config["cores"] is not None:
     os.sched_setaffinity(0, config["cores"])
 try:
-    from tridiag_tutorial import benchmarks
+    from tridiag_tutorial.bench import benchmarks
     entry = getattr(benchmarks, config.pop("entry", "_against_jax_here"))
     recorder = benchmarks._ChildRecorder(**config.pop("recorder"))
     entry(**config, recorder=recorder)
@@ -1050,7 +1050,7 @@ def _in_pinned_process(config: dict, log, recorder=None) -> list:
     recorder = recorder or _NO_RECORDER
     config = dict(config)
     config.setdefault("recorder", {})
-    package_parent = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    package_parent = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(
         p for p in (package_parent, env.get("PYTHONPATH")) if p)  # this very package
@@ -1299,7 +1299,7 @@ def one_system_family(family: str, n: int, dtype: torch.dtype = torch.float64, s
     ``FAMILIES``), torch tensors of ``dtype`` (float32 or float64), ``rhs`` of shape ``(n,)`` as
     :func:`_problem`'s single system. All made in NumPy float64 and then cast; ``rhs`` is
     standard normal from ``numpy.random.default_rng(seed)`` (for the families of
-    :mod:`tridiag_tutorial.accuracy`, its right-hand side, drawn so).
+    :mod:`tridiag_tutorial.bench.accuracy`, its right-hand side, drawn so).
 
     - ``dominant``: ``accuracy.make("dominant")`` (random, 4 added to the diagonal's magnitude);
     - ``pivoting``: ``accuracy.make("random")`` (diagonal ``±(1.5 + |N|)``: needs row
@@ -1437,7 +1437,7 @@ def _family_modes(family: str, modes, backward_families) -> list:
 
 
 def _large_kernel_callable(args, mode):
-    """The C++ kernel for one large system (:func:`tridiag_tutorial.compiled.solve_ex`, its
+    """The C++ kernel for one large system (:func:`tridiag_tutorial.kernels.compiled.solve_ex`, its
     default arguments), called directly, without the final op's dispatch: forward, or forward +
     the four gradients as the final op's C++ fast path computes them
     (:func:`compiled.solve_backward`: one more solve, with ``A^T``, and the band gradients, in
@@ -1696,7 +1696,7 @@ def _patched(module, **values):
 def _without_cpp_fast_path():
     """The final op without ``ops._solve_on_cpp``: every call validates its inputs in Python and
     resolves the driver before it calls the C++ kernel (``ops._CPP`` False)."""
-    from . import ops
+    from .. import ops
     return _patched(ops, _CPP=False)
 
 
@@ -1704,7 +1704,7 @@ def _without_direct_kernel():
     """The final op with every kernel call dispatched: no C++ fast path, and ``ops._unobserved``
     and ``ops._direct`` say False, so every call goes through the autograd.Function and the op
     ``tridiag_tutorial::solve_kernel`` (forward and backward)."""
-    from . import ops
+    from .. import ops
     never = lambda *args: False  # noqa: E731
     return _patched(ops, _CPP=False, _unobserved=never, _direct=never)
 
@@ -1715,7 +1715,7 @@ def _with_function_apply():
     plain ``_TridiagonalSolve.apply`` (which binds the arguments to ``forward``'s signature with
     :mod:`inspect` on every call) instead of ``_compat.function_apply``: compare its row with
     the row without the C++ fast path."""
-    from . import ops
+    from .. import ops
     return _patched(ops, _CPP=False, _apply=lambda *args: ops._TridiagonalSolve.apply(*args))
 
 
@@ -1723,7 +1723,7 @@ def _without_fused_backward():
     """The final op whose C++ fast path runs its backward as before ``cpp_solve_backward``: the
     solve with ``A^H`` on the C++ kernel (:func:`compiled.solve`) and the band gradients in torch
     ops (:func:`rules.solve_backward`), in place of the one C++ call."""
-    from . import ops, rules
+    from .. import ops, rules
 
     def unfused(lower, diag, upper, x, grad_x):
         column = (lambda t: t.unsqueeze(-1)) if x.dim() == diag.dim() else (lambda t: t)
@@ -2312,9 +2312,9 @@ call measured with torch.utils.benchmark (in the interleaved experiments, of blo
 alternation with what they are compared with).
 
 examples:
-  python -m tridiag_tutorial.benchmarks --quick --out quick.json    tiny sizes: a smoke test
-  python -m tridiag_tutorial.benchmarks --out results.json          the full suite
-  python -m tridiag_tutorial.benchmarks --merge results.json --out results.json
+  python -m tridiag_tutorial.bench.benchmarks --quick --out quick.json    tiny sizes: a smoke test
+  python -m tridiag_tutorial.bench.benchmarks --out results.json          the full suite
+  python -m tridiag_tutorial.bench.benchmarks --merge results.json --out results.json
                                           continue a run that was interrupted
 """
 
@@ -2352,7 +2352,7 @@ matrix families and a busy core (--one-system-only, the comparison with JAX):
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m tridiag_tutorial.benchmarks",
+    parser = argparse.ArgumentParser(prog="python -m tridiag_tutorial.bench.benchmarks",
                                      description=DESCRIPTION, epilog=EPILOG,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true",
@@ -2555,7 +2555,7 @@ def _measure(opts, report) -> list:
 
 
 def main(argv=None):
-    """The command line (``python -m tridiag_tutorial.benchmarks --help``): measure, write the
+    """The command line (``python -m tridiag_tutorial.bench.benchmarks --help``): measure, write the
     results file as rows are measured, print the summary; returns the report written. An
     interrupt (``KeyboardInterrupt``) leaves the rows measured in the file, says so on standard
     error and propagates."""
@@ -2578,7 +2578,7 @@ def main(argv=None):
 
 
 def _cli():
-    """``python -m tridiag_tutorial.benchmarks``: :func:`main`, and on an interrupt exit status
+    """``python -m tridiag_tutorial.bench.benchmarks``: :func:`main`, and on an interrupt exit status
     130 without a traceback (main has said what was kept)."""
     try:
         main()

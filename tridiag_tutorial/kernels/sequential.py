@@ -1,6 +1,6 @@
 """The pure-torch kernel: LAPACK's ``?gttrf`` / ``?gttrs`` in torch ops, vectorised over the batch.
 
-This is the kernel for every device but the CPU (where :mod:`tridiag_tutorial.lapack` is used),
+This is the kernel for every device but the CPU (where :mod:`tridiag_tutorial.kernels.lapack` is used),
 and it runs on the CPU too, so the tests check it there against the dense reference and against
 LAPACK's own factors.
 
@@ -10,9 +10,9 @@ swapped with row ``i + 1`` when ``|lower[i]| > |diag[i]|``; for complex numbers 
 needed. Each elimination step is a handful of elementwise torch ops on all systems of the batch at
 once, and the steps run one after another, so the cost is O(n) *kernel launches*: the kernel is
 fast for batches of small systems, and slow for one large system. Larger systems go to
-:mod:`tridiag_tutorial.partitioned`, which solves blocks of this kernel's systems all at once and
+:mod:`tridiag_tutorial.kernels.partitioned`, which solves blocks of this kernel's systems all at once and
 needs O(log n) operations (see :func:`tridiag_tutorial.kernels.choose_driver`). The factors have the
-layout of :func:`tridiag_tutorial.lapack.factor`: ``lu`` ``(*batch, 4, n)`` with rows
+layout of :func:`tridiag_tutorial.kernels.lapack.factor`: ``lu`` ``(*batch, 4, n)`` with rows
 ``dl, d, du, du2`` and ``pivots`` ``(*batch, n)``, LAPACK's 1-based ``ipiv`` of each system.
 
 A singular matrix (an exactly zero pivot) raises :class:`torch.linalg.LinAlgError` naming the pivot
@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import torch
 
-from ._validation import SingularMatrixError
+from .._validation import SingularMatrixError
 
 __all__ = ["factor", "factor_unchecked", "lu_solve", "solve"]
 
@@ -64,7 +64,7 @@ def _multiply(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 def factor(lower: torch.Tensor, diag: torch.Tensor, upper: torch.Tensor):
     """LU with partial pivoting of a batch: bands ``(*batch, n-1)``, ``(*batch, n)``,
     ``(*batch, n-1)`` -> ``(lu, pivots)``, ``(*batch, 4, n)`` and ``(*batch, n)`` int32 (the layout
-    of :func:`tridiag_tutorial.lapack.factor`). Inputs are not modified.
+    of :func:`tridiag_tutorial.kernels.lapack.factor`). Inputs are not modified.
 
     Raises:
         torch.linalg.LinAlgError: a pivot is exactly zero (the matrix is singular).

@@ -27,9 +27,9 @@ from __future__ import annotations
 
 import torch
 
-from . import kernels, rules
-from ._validation import validate
-from .ops import _vmap_rule  # the general batch rule, shared with the final op
+from .. import kernels, rules
+from .._validation import validate
+from ..ops import _vmap_rule  # the general batch rule, shared with the final op
 
 __all__ = ["tridiagonal_solve_op", "tridiagonal_solve_custom_op"]
 

@@ -1,7 +1,7 @@
 """The worker functions of chapter 14: a model that calls the op, trained on several processes.
 
 Each ``*_worker`` function is what one rank runs: it takes ``(rank, world_size, ...)``, assumes
-that :func:`tridiag_tutorial.multiprocess.run_on_ranks` has joined it to a gloo process group, and
+that :func:`tridiag_tutorial.book.multiprocess.run_on_ranks` has joined it to a gloo process group, and
 returns plain Python values and tensors (never DTensors, which cannot leave their process group),
 so that the chapter can compare the ranks with each other and with one process. They live in a
 module, not in the chapter's cells, because a spawned process imports the function it runs.
@@ -10,9 +10,9 @@ module, not in the chapter's cells, because a spawned process imports the functi
 - :func:`fsdp_worker`: FSDP2, ``torch.distributed.fsdp.fully_shard``: the parameters are
   sharded between steps.
 - :func:`dtensor_worker`: the op called on ``DTensor`` inputs, with or without the sharding rules
-  of :mod:`tridiag_tutorial.sharding`.
+  of :mod:`tridiag_tutorial.distributed.sharding`.
 - :func:`split_solve_worker`: one system whose rows are spread over the ranks
-  (:mod:`tridiag_tutorial.distributed_solve`).
+  (:mod:`tridiag_tutorial.distributed.solve`).
 
 :func:`train_one_process` is the reference: the same training on the whole batch in one process.
 Everything is float64 and seeded, so the ranks build the same model and the same data.
@@ -25,7 +25,7 @@ import textwrap
 import torch
 from torch import nn
 
-from .ops import tridiagonal_solve
+from ..ops import tridiagonal_solve
 
 __all__ = ["N", "FEATURES", "BATCH", "STEPS", "LR", "BandedSolveModel", "make_data",
            "train_one_process", "hello_worker", "ddp_worker", "fsdp_worker", "DTENSOR_CASES",
@@ -227,7 +227,7 @@ def dtensor_worker(rank: int, world_size: int, with_rules: bool, n: int = 8) -> 
     ``tridiag_tutorial::solve_kernel`` itself, as one would call a custom op of one's own, in a
     process where nothing has registered a sharding rule for it: DTensor does not know the op and
     the call raises. With ``with_rules`` it solves with the public ``tridiagonal_solve``, which
-    registers the package's rules (:mod:`tridiag_tutorial.sharding`) the first time a DTensor
+    registers the package's rules (:mod:`tridiag_tutorial.distributed.sharding`) the first time a DTensor
     reaches it, and backpropagates ``x.square().sum()``.
 
     Returns ``{case name: result}``, where a result is ``{"error": first line}``, or the output's
@@ -288,7 +288,7 @@ def random_system(n: int, seed: int = 3):
 
 def split_solve_worker(rank: int, world_size: int, n: int, seed: int = 3) -> dict:
     """One system of ``n`` unknowns whose rows are spread over the ranks, solved with
-    :func:`tridiag_tutorial.distributed_solve.split_solve`.
+    :func:`tridiag_tutorial.distributed.solve.split_solve`.
 
     Every rank draws the same global system (:func:`random_system`) and keeps only its
     consecutive rows (``split_bands``), as a simulation split across machines would hold them;
@@ -300,7 +300,7 @@ def split_solve_worker(rank: int, world_size: int, n: int, seed: int = 3) -> dic
     per solve, "collectives": their number, "fallbacks"}``, each of the last three a dict
     ``{"split_solve": ..., "gather_solve": ...}``.
     """
-    from . import distributed_solve
+    from .. import distributed as distributed_solve
 
     pieces = distributed_solve.split_bands(*random_system(n, seed), rank, world_size)
     out = {"rows": pieces[1].shape[-1], "sent": {}, "collectives": {}, "fallbacks": {}}

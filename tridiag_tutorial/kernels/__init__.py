@@ -3,12 +3,12 @@ r"""Which kernel solves, in one place: the ``driver`` of every public function.
 Four kernels, each named by a driver (the word :func:`torch.linalg.svd` and
 :func:`torch.linalg.lstsq` use for the same idea):
 
-- ``"lapack"``: LAPACK ``?gtsv`` / ``?gttrf`` / ``?gttrs`` through SciPy (:mod:`tridiag_tutorial.lapack`), CPU;
-- ``"cpp"``: the C++ kernel built at install (:mod:`tridiag_tutorial.compiled`), CPU, solves
+- ``"lapack"``: LAPACK ``?gtsv`` / ``?gttrf`` / ``?gttrs`` through SciPy (:mod:`tridiag_tutorial.kernels.lapack`), CPU;
+- ``"cpp"``: the C++ kernel built at install (:mod:`tridiag_tutorial.kernels.compiled`), CPU, solves
   without factors;
-- ``"sequential"``: the pivoting kernel in torch ops (:mod:`tridiag_tutorial.torch_kernel`),
+- ``"sequential"``: the pivoting kernel in torch ops (:mod:`tridiag_tutorial.kernels.sequential`),
   any device, O(n) dispatched operations; it also factors and solves from factors;
-- ``"partitioned"``: the partitioned kernel in torch ops (:mod:`tridiag_tutorial.partitioned`),
+- ``"partitioned"``: the partitioned kernel in torch ops (:mod:`tridiag_tutorial.kernels.partitioned`),
   any device, O(log n) dispatched operations, solves without factors.
 
 ``driver=None`` asks :func:`choose_driver`, a pure function of the device, the dtype, the shape
@@ -31,8 +31,9 @@ import numpy as np
 import torch
 import torch.utils.dlpack
 
-from . import _validation, compiled, lapack, partitioned
-from . import torch_kernel as _torch_kernel
+from .. import _validation
+from . import compiled, lapack, partitioned
+from . import sequential as _sequential
 
 __all__ = ["DRIVERS", "FACTOR_DRIVERS", "cpp_available", "choose_driver", "choose_factor_driver",
            "resolve_driver", "resolve_factor_driver", "solve", "factor",
@@ -63,7 +64,7 @@ def choose_driver(device_type: str, dtype: torch.dtype, batch: int, n: int, cpp:
     - **CPU**: the C++ kernel, where installed, for every batch of two or more systems, for one
       real system of any size and for one complex system of ``n <= CPP_ONE_COMPLEX_SYSTEM_MAX_N``;
       LAPACK otherwise. Measured against this package's LAPACK kernel (``python -m
-      tridiag_tutorial.benchmarks``, one thread, every dtype, one and four right-hand sides):
+      tridiag_tutorial.bench.benchmarks``, one thread, every dtype, one and four right-hand sides):
       0.17 to 1.02 of LAPACK's time on batches of 2 to 64 systems of n = 8 to 1000, 0.2 to 0.5 on
       batches of 1024 to 100000, 0.4 to 1.0 on one system of n <= 1000 (the fixed cost of the
       call dominates). One real system of ``compiled.PIECES_MIN_N`` unknowns or more goes to the
@@ -192,11 +193,11 @@ def _numpy(*tensors):
 
 
 def factor(lower, diag, upper, driver: str):
-    """``(lu, pivots)``: ``(*B, 4, n)`` and ``(*B, n)`` int32 (see :func:`tridiag_tutorial.lapack.factor`)."""
+    """``(lu, pivots)``: ``(*B, 4, n)`` and ``(*B, n)`` int32 (see :func:`tridiag_tutorial.kernels.lapack.factor`)."""
     if driver == "lapack":
         lu, pivots = lapack.factor(*_numpy(lower, diag, upper))
         return torch.from_numpy(lu), torch.from_numpy(pivots)
-    return _torch_kernel.factor(lower, diag, upper)
+    return _sequential.factor(lower, diag, upper)
 
 
 def solve(lower, diag, upper, rhs, lu, pivots, trans: str, driver: str):
@@ -211,8 +212,8 @@ def solve(lower, diag, upper, rhs, lu, pivots, trans: str, driver: str):
             return torch.from_numpy(lapack.solve(*_numpy(lower, diag, upper, rhs)))
         if driver == "partitioned":
             return partitioned.solve(lower, diag, upper, rhs)
-        return _torch_kernel.solve(lower, diag, upper, rhs)
+        return _sequential.solve(lower, diag, upper, rhs)
     _validation.check_pivot_values(pivots)  # ?gttrs trusts them: a bad value reads out of bounds
     if driver == "lapack":
         return torch.from_numpy(lapack.factor_solve(*_numpy(lu, pivots, rhs), trans))
-    return _torch_kernel.lu_solve(lu, pivots, rhs, trans)
+    return _sequential.lu_solve(lu, pivots, rhs, trans)

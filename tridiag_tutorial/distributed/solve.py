@@ -1,6 +1,6 @@
 r"""One tridiagonal system split across the ranks of a ``torch.distributed`` process group.
 
-:mod:`tridiag_tutorial.partitioned` cuts one system into blocks to solve them *all at once* on one
+:mod:`tridiag_tutorial.kernels.partitioned` cuts one system into blocks to solve them *all at once* on one
 device. Here the blocks are the pieces that different processes own: rank ``r`` of ``P`` holds
 ``m_r`` consecutive rows of ``A`` and of ``rhs`` and never sees the rest, so the partitioned
 method becomes a distributed one, in which a handful of numbers per rank cross the network
@@ -63,7 +63,7 @@ If a check fails, the call **falls back**: every rank gathers the whole system (
 with LAPACK's pivot) on every rank exactly where LAPACK on the full system raises, and this module
 raises nothing else for a valid input. :func:`record` counts the fallbacks (and the bytes).
 
-Measured on 2 and 4 gloo processes (the five families of :mod:`tridiag_tutorial.accuracy` and a
+Measured on 2 and 4 gloo processes (the five families of :mod:`tridiag_tutorial.bench.accuracy` and a
 piece's block made nearly singular, float32 and float64, n = 64, 1000 and 20000, equal and unequal
 pieces, 672 systems; a one-off sweep whose results the package does not store): the forward error was at most LAPACK's on
 every system where LAPACK's is below 1e-2 (largest ratio 1.0; the median per family, size and
@@ -90,7 +90,7 @@ on rank 0 and ``upper[-1]`` on the last rank are not entries of ``A``: their gra
 
 **Communication.** :func:`communication` gives the bytes each rank sends per solve, exactly (the
 tests compare it with what :func:`record` measures). Measured on gloo processes at ``n = 1e6``,
-float64, ``k = 1`` (``python -m tridiag_tutorial.distributed_solve``, equal to the formula), bytes
+float64, ``k = 1`` (``python -m tridiag_tutorial.distributed.solve``, equal to the formula), bytes
 sent per rank, ``(P - 1)`` times its own tensors' bytes:
 
 ==========================  ============  ============
@@ -123,9 +123,9 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from . import partitioned
-from ._validation import SUPPORTED_DTYPES, _check_dense
-from .ops import tridiagonal_lu_factor, tridiagonal_lu_solve, tridiagonal_solve
+from .._validation import SUPPORTED_DTYPES, _check_dense
+from ..kernels import partitioned
+from ..ops import tridiagonal_lu_factor, tridiagonal_lu_solve, tridiagonal_solve
 
 __all__ = ["MIN_ROWS", "REFINEMENT_STEPS", "split_solve", "gather_solve", "split_bands",
            "split_sizes", "communication", "record", "SolveRecord"]
@@ -831,7 +831,7 @@ def split_bands(lower: torch.Tensor, diag: torch.Tensor, upper: torch.Tensor, rh
     to ``n``, each at least ``MIN_ROWS``). Differentiable (padding and slicing); the results are
     views of new tensors, the inputs are not modified.
     """
-    from ._validation import validate
+    from .._validation import validate
 
     p = validate(lower, diag, upper, rhs, name="split_bands")
     n = p.diag.shape[-1]
@@ -893,10 +893,10 @@ def communication(n: int, world_size: int, k: int = 1, dtype: torch.dtype = torc
 
 
 # --------------------------------------------------------------------------------------------
-# python -m tridiag_tutorial.distributed_solve: measure the bytes on gloo processes
+# python -m tridiag_tutorial.distributed.solve: measure the bytes on gloo processes
 # --------------------------------------------------------------------------------------------
 def _measure_worker(rank: int, world_size: int, n: int) -> dict:
-    """One rank of :func:`main` (run by :func:`~tridiag_tutorial.multiprocess.run_on_ranks`,
+    """One rank of :func:`main` (run by :func:`~tridiag_tutorial.book.multiprocess.run_on_ranks`,
     which joins the gloo group): every route on the same seeded system, its bytes counted."""
     import time
 
@@ -933,8 +933,8 @@ def main(argv=None) -> list:
 
     # Under ``python -m`` this module is ``__main__``, which a spawned rank cannot import: the
     # ranks run the worker of the module imported under its own name.
-    from . import multiprocess
-    from .distributed_solve import _measure_worker as worker
+    from ..book import multiprocess
+    from .solve import _measure_worker as worker
 
     parser = argparse.ArgumentParser(description=main.__doc__.split("\n")[0])
     parser.add_argument("--n", type=int, default=1_000_000)

@@ -16,8 +16,9 @@ from __future__ import annotations
 import torch
 from torch.autograd.function import once_differentiable
 
-from . import lapack, rules
-from ._validation import validate
+from .. import rules
+from .._validation import validate
+from ..kernels import lapack
 
 __all__ = ["LapackTridiagonalSolve", "tridiagonal_solve_function"]
 

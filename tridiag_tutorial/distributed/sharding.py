@@ -29,7 +29,7 @@ two systems of a batch, nor two columns of a right-hand side. So the rules are
 What is not listed (the system dimension ``n`` sharded, mixed placements, ``Partial`` inputs) is
 redistributed by DTensor to the cheapest listed pair: always correct, though it may all-gather.
 A system whose rows stay spread over the ranks needs a distributed algorithm instead, the
-partitioned method with one block per rank: :func:`tridiag_tutorial.distributed_solve.split_solve`,
+partitioned method with one block per rank: :func:`tridiag_tutorial.distributed.solve.split_solve`,
 on each rank's local rows (not DTensors).
 
 Which ops need rules: a DTensor input is not a plain tensor, so the public functions take their
@@ -46,12 +46,12 @@ placements: the gradient of a replicated band may come back ``Shard(d)`` or ``Pa
 sum over ranks is the gradient), the same global tensor laid out lazily; ``full_tensor()`` or
 ``redistribute()`` gives it any layout.
 
-Importing this module registers the rules (``import tridiag_tutorial.sharding``); it calls
+Importing this module registers the rules (``import tridiag_tutorial.distributed.sharding``); it calls
 :func:`register`, which does nothing when called again. ``import tridiag_tutorial`` does not
 import this module, so the package does not load ``torch.distributed.tensor`` for users who never
 distribute a tensor; the public functions import it the first time a DTensor reaches them
 (:func:`tridiag_tutorial.ops._register_sharding_for`). A function of DTensors compiled with
-``torch.compile``, and a direct call of the ops, need ``import tridiag_tutorial.sharding``
+``torch.compile``, and a direct call of the ops, need ``import tridiag_tutorial.distributed.sharding``
 first.
 
 Not covered: a singular system raises :class:`~tridiag_tutorial.SingularMatrixError` on the ranks
