@@ -107,7 +107,7 @@ approximation, made two ways and both printed:
 - **by return value** (the headline number): the routing-layer functions (rules 1 to 4, kernel
   entry points excepted) and the ``_compat`` functions that returned a ``bool`` or a ``str`` (a
   choice among names, such as a driver) at least once across all scenarios, e.g.
-  ``kernels.compiled_pays``, ``ops._direct``, ``_compat.transform_active``. Of these, the ones
+  ``kernels.compiled_pays``, ``functions._direct``, ``_compat.transform_active``. Of these, the ones
   that returned more than one value are the ones that told scenarios apart here (printed as
   "varying"); a function that always answered the same decided nothing among these scenarios.
 - **by name**: the functions that ran and whose name matches ``PREDICATE_NAME`` (``*_pays``,
@@ -192,7 +192,7 @@ class Tracer:
 
     def _context(self, frame) -> str:
         """The innermost derivative method of the package (a ``backward`` or ``jvp`` of a
-        Function) on the Python stack above ``frame``, as ``"ops._TridiagonalSolve.backward#7"``
+        Function) on the Python stack above ``frame``, as ``"functions._TridiagonalSolve.backward#7"``
         (the number tells one call of the method from another: a double backward runs the same
         backward twice, once differentiably and once not); ``""`` when there is none (the call
         belongs to the forward computation). The autograd engine calls a backward from C++, so
@@ -281,11 +281,11 @@ class Tracer:
 # op's Autograd kernel applies a Function whose forward calls solve_kernel) is classified by the
 # first one that ran.
 ENTRY_WRAPPERS = (
-    ("compiled op", ("ops._solve_autograd", "ops._CompiledSolve.forward",
+    ("compiled op", ("registration._solve_autograd", "functions._CompiledSolve.forward",
                      "op tridiag_tutorial::solve")),
     ("C++ autograd op", ("compiled.autograd_op", "op tridiag_tutorial_cpp::solve_autograd")),
     ("eager Function (_PlainTridiagonalSolve)", ("ops._PlainTridiagonalSolve.forward",)),
-    ("eager Function (_TridiagonalSolve)", ("ops._TridiagonalSolve.forward",)),
+    ("eager Function (_TridiagonalSolve)", ("functions._TridiagonalSolve.forward",)),
 )
 # The C++ autograd op of the package before issue 24: its backward runs in C++, so Python sees
 # none of it; a scenario whose route holds it is run once more under the autograd profiler
@@ -329,7 +329,7 @@ def backward_kind(context: str, callees: set) -> str:
         return "NumPy"
     if context.endswith("_CompiledSolve.backward") or "op tridiag_tutorial::solve" in callees:
         return "compiled"
-    if "ops._apply" in callees or any(
+    if "functions._apply" in callees or any(
             c.endswith(("TridiagonalSolve.forward", "TridiagonalSolve.apply")) for c in callees):
         return "differentiable"
     if "kernels.solve" in callees or any(kernel_label(c) for c in callees):

@@ -15,7 +15,7 @@ import pytest
 import torch
 import torch.utils.benchmark
 
-from tridiag_tutorial import _compat, kernels, ops, rules, tridiagonal_solve
+from tridiag_tutorial import _compat, _routes, api, functions, kernels, rules, tridiagonal_solve
 from tridiag_tutorial.bench import benchmarks
 from tridiag_tutorial.kernels import compiled, lapack
 
@@ -688,25 +688,24 @@ def dispatched(monkeypatch):
     """Which ways the final op's Function ran: 'op' (the dispatched solve_kernel),
     'function_apply' (_compat's) and 'Function.apply'."""
     calls = []
-    real_op, real_function_apply = ops._kernel_op, _compat.function_apply
-    real_apply = ops._TridiagonalSolve.apply
-    monkeypatch.setattr(ops, "_kernel_op", lambda *a: calls.append("op") or real_op(*a))
+    real_op, real_function_apply = functions._kernel_op, _compat.function_apply
+    real_apply = functions._TridiagonalSolve.apply
+    monkeypatch.setattr(functions, "_kernel_op", lambda *a: calls.append("op") or real_op(*a))
     monkeypatch.setattr(_compat, "function_apply",
                         lambda *a: calls.append("function_apply") or real_function_apply(*a))
-    monkeypatch.setattr(ops._TridiagonalSolve, "apply",
+    monkeypatch.setattr(functions._TridiagonalSolve, "apply",
                         staticmethod(lambda *a: calls.append("Function.apply") or real_apply(*a)))
     return calls
 
 
 def test_route_switches_change_the_route_and_restore_it(dispatched):
     args = benchmarks._problem(8, 4, torch.float64)
-    saved = ops._direct, ops._unobserved, ops._apply, ops._CPP
     plain = benchmarks.ROUTES[benchmarks.ROUTE_AS_INSTALLED][0]
     switch = {name: benchmarks.ROUTES[name][1] for name in (
         "without direct kernel calls", "Function.apply instead of _compat.function_apply",
         "without the C++ fast path")}
     validated = []
-    real_validate = ops.validate
+    real_validate = api.validate
 
     def run(mode, name=None):
         dispatched.clear()
@@ -717,11 +716,11 @@ def test_route_switches_change_the_route_and_restore_it(dispatched):
 
     # function_apply is Function.apply itself on torch releases whose apply is the C++ method
     applied = ["function_apply"] + ([] if _compat.PYTHON_FUNCTION_APPLY else ["Function.apply"])
-    ops.validate = lambda *a, **k: validated.append(1) or real_validate(*a, **k)
+    api.validate = lambda *a, **k: validated.append(1) or real_validate(*a, **k)
     try:
         assert run("forward") == []  # no Function, no solve_kernel ...
         assert validated == ([] if has_cpp() else [1])  # ... and, on the C++ fast path, no validate
-        # with gradients: ops._CppSolve on the C++ kernel (no general Function), else the
+        # with gradients: functions._CppSolve on the C++ kernel (no general Function), else the
         # general path's Function with its kernels called directly
         assert run("backward") == ([] if has_cpp() else applied)
         assert run("backward", "without the C++ fast path") == applied
@@ -732,29 +731,35 @@ def test_route_switches_change_the_route_and_restore_it(dispatched):
         assert run("forward", "without the C++ fast path") == []  # the general path's shortcut
         assert validated == [1]
     finally:
-        ops.validate = real_validate
-    assert (ops._direct, ops._unobserved, ops._apply, ops._CPP) == saved
+        api.validate = real_validate
+    assert all(getattr(_routes.ON, route) for route in _routes.ROUTES)  # all on again
+    with pytest.raises(ValueError, match="unknown routes"):
+        with _routes.disabled("fast_path"):
+            pass
 
 
 def test_route_without_the_fused_backward_runs_the_band_products_in_torch_ops(monkeypatch):
-    """The route "without the fused C++ backward" keeps the C++ fast path but replaces
-    compiled.solve_backward by a solve on the C++ kernel and rules.solve_backward in torch ops,
-    with the same gradients, and puts compiled.solve_backward back afterwards."""
+    """The route "without the fused C++ backward" keeps the C++ fast path but turns the switch
+    ``fused_backward`` off: a solve on the C++ kernel and rules.solve_backward in torch ops in
+    place of compiled.solve_backward, with the same gradients; on again afterwards."""
     require_cpp()
-    fused, calls = compiled.solve_backward, []
-    real_rules = rules.solve_backward
+    calls = []
+    real_rules, real_fused = rules.solve_backward, compiled.solve_backward
     monkeypatch.setattr(rules, "solve_backward",
                         lambda *a: calls.append("rules") or real_rules(*a))
+    monkeypatch.setattr(compiled, "solve_backward",
+                        lambda *a: calls.append("fused") or real_fused(*a))
     switch = benchmarks.ROUTES["without the fused C++ backward"][1]
     for n in (8, benchmarks._kernel_min_n() + 5):
         args = benchmarks._problem(n, 0, torch.float64)
         leaves = [a.clone().requires_grad_() for a in args]
         expected = torch.autograd.grad(tridiagonal_solve(*leaves).sum(), leaves)
-        assert calls == []  # as installed: the fused op
+        assert calls == ["fused"]  # as installed: the fused op
+        calls.clear()
         with switch():
-            assert compiled.solve_backward is not fused
+            assert not _routes.ON.fused_backward
             got = torch.autograd.grad(tridiagonal_solve(*leaves).sum(), leaves)
-        assert calls == ["rules"] and compiled.solve_backward is fused
+        assert calls == ["rules"] and _routes.ON.fused_backward
         calls.clear()
         for g, want in zip(got, expected):
             torch.testing.assert_close(g, want)

@@ -71,7 +71,7 @@ def test_inductor_compiles_and_matches():
 def test_function_with_jvp_cannot_be_traced_fullgraph():
     """Pins the torch 2.13 trap behind the final op's design: Dynamo refuses an autograd.Function
     with a jvp staticmethod under fullgraph=True, so the compiled path must use the custom op."""
-    from tridiag_tutorial.ops import _TridiagonalSolve
+    from tridiag_tutorial.functions import _TridiagonalSolve
 
     args = make_system(5, (), 1, requires_grad=True, seed=7)
     fn = torch.compile(lambda *a: _TridiagonalSolve.apply(*a, False)[0].sum(), fullgraph=True,

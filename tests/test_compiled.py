@@ -13,16 +13,10 @@ from scipy.linalg import lapack as scipy_lapack
 from torch.autograd import gradcheck, gradgradcheck
 from torch.func import grad, hessian, jacfwd, vmap
 
-from tridiag_tutorial import (
-    SingularMatrixError,
-    dense_solve,
-    kernels,
-    ops,
-    rules,
-    tridiagonal_solve,
-)
+from tridiag_tutorial import SingularMatrixError, api, kernels, rules, tridiagonal_solve
 from tridiag_tutorial.kernels import compiled, lapack
 from tridiag_tutorial.kernels.compiled import PIECES_MIN_N
+from tridiag_tutorial.reference import dense_solve
 
 from conftest import ALL_DTYPES, assert_close, assert_grads_match_dense, make_system, require_cpp
 
@@ -265,7 +259,7 @@ def test_public_op_runs_the_kernel_forward_and_backward(calls, dtype):
 def test_backward_on_the_kernel_matches_dense(calls, dtype, n, batch, k, driver):
     args = make_system(n, batch, k, dtype=dtype, requires_grad=True, seed=60 + n)
     x = tridiagonal_solve(*args, driver=driver)
-    if driver is None:  # nothing else observes the call: ops._CppSolve, the op with a backward
+    if driver is None:  # nothing else observes the call: functions._CppSolve, the op with a backward
         assert x.grad_fn.name() == "_CppSolveBackward"
     else:  # the general path's Function ((..., n): a squeeze last)
         node = x.grad_fn.next_functions[0][0] if k is None else x.grad_fn
@@ -821,7 +815,7 @@ def test_require_cpp_fails_where_the_build_should_have_worked(monkeypatch):
 
 
 # ----------------------------------------------------------------------------------------------
-# driver=None on the CPU without gradients: the C++ fast path (ops._solve_on_cpp), which skips
+# driver=None on the CPU without gradients: the C++ fast path (api._solve_on_cpp), which skips
 # the Python validation (the op checks the inputs, and on a refusal the general path validates
 # them and raises the typed error).
 # ----------------------------------------------------------------------------------------------
@@ -829,7 +823,7 @@ def test_require_cpp_fails_where_the_build_should_have_worked(monkeypatch):
 def no_python_validation(monkeypatch):
     """Fail the test if the general path's validation runs."""
     require_cpp()
-    monkeypatch.setattr(ops, "validate", lambda *a, **k: pytest.fail("validated in Python"))
+    monkeypatch.setattr(api, "validate", lambda *a, **k: pytest.fail("validated in Python"))
 
 
 @pytest.mark.parametrize("dtype", ALL_DTYPES, ids=str)
@@ -895,7 +889,7 @@ GRAD_CASES = [((), None, torch.float64), ((3,), None, torch.float32), ((2, 3), 2
 
 @pytest.mark.parametrize("case", GRAD_CASES, ids=str)
 def test_fast_path_with_gradients_runs_cpp_solve(monkeypatch, no_python_validation, case):
-    """A gradient asked for, nothing else observing the call: ops._CppSolve, the C++ op forward
+    """A gradient asked for, nothing else observing the call: functions._CppSolve, the C++ op forward
     and its backward op (the solve with A^H and the band products) once, no Python validation;
     the four gradients equal the
     dense solve's (also for a system on the solve in pieces, n = 1030), and only the gradients
@@ -943,7 +937,7 @@ def test_fast_path_with_gradients_unwraps_dead_functorch_wrappers(no_python_vali
 
 
 def test_fast_path_with_gradients_composes(no_python_validation):
-    """ops._CppSolve's backward, differentiated again (gradgradcheck, create_graph=True) and
+    """functions._CppSolve's backward, differentiated again (gradgradcheck, create_graph=True) and
     vmapped by torch.autograd.functional.jacobian(vectorize=True): the general path's
     differentiable rules take over there."""
     args = make_system(6, (2,), 2, seed=77, requires_grad=True)
@@ -973,12 +967,12 @@ def test_fast_path_singular_matrix_error(no_python_validation):
 def test_fast_path_is_skipped_where_it_does_not_apply(monkeypatch):
     """Broadcasting, a named driver, forward-mode AD, a transform, a mode, a tensor subclass and
     one complex system above the C++ threshold take the general path; plain tensors, under
-    inference mode or asking for a gradient (then through ops._CppSolve), and one large real
+    inference mode or asking for a gradient (then through functions._CppSolve), and one large real
     system, take the fast path."""
     require_cpp()
     taken = []
-    real = ops._solve_on_cpp
-    monkeypatch.setattr(ops, "_solve_on_cpp", lambda *a: taken.append(real(*a)[0] is not None)
+    real = api._solve_on_cpp
+    monkeypatch.setattr(api, "_solve_on_cpp", lambda *a: taken.append(real(*a)[0] is not None)
                         or real(*a))
     lower, diag, upper, rhs = make_system(6, (3,), seed=73)
 

@@ -29,11 +29,12 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from tridiag_tutorial import SingularMatrixError, dense_solve
+from tridiag_tutorial import SingularMatrixError
 from tridiag_tutorial import distributed as ds
 from tridiag_tutorial.bench import accuracy
 from tridiag_tutorial.book.multiprocess import free_port
 from tridiag_tutorial.kernels import lapack
+from tridiag_tutorial.reference import dense_solve
 
 from conftest import make_system
 
@@ -678,3 +679,16 @@ def test_gradients_of_broadcast_bands_are_summed_over_the_batch():
             torch.testing.assert_close(got, ref, rtol=1e-10, atol=1e-12)
     finally:
         dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_the_communication_harness_measures_the_formula(capsys):
+    """python -m tridiag_tutorial.bench.communication: the bytes each route sent on two gloo
+    processes are the formula's, and its answers agree with the gathered LAPACK solve."""
+    from tridiag_tutorial.bench import communication
+
+    rows = communication.main(["--n", "2000", "--world-sizes", "2"])
+    assert {r["route"] for r in rows} == {"gather_solve", "split_solve", "split_solve_no_refinement"}
+    assert all(r["matches"] and r["sent"] == r["formula_sent"] for r in rows)
+    assert all(r["max_difference_from_lapack"] < 1e-10 for r in rows)
+    assert len(capsys.readouterr().out.splitlines()) == len(rows)

@@ -6,9 +6,10 @@ import pytest
 import torch
 from torch.func import grad, vmap
 
-from tridiag_tutorial import dense_solve, tridiagonal_solve
+from tridiag_tutorial import tridiagonal_solve
 from tridiag_tutorial.book.autograd_function import tridiagonal_solve_function
 from tridiag_tutorial.kernels import lapack
+from tridiag_tutorial.reference import dense_solve
 
 from conftest import assert_close, assert_grads_match_dense, driver_for, make_system
 

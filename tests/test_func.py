@@ -5,8 +5,9 @@ import torch
 from torch.autograd import gradcheck, gradgradcheck
 from torch.func import grad, grad_and_value, hessian, jacfwd, jacrev, jvp, vjp, vmap
 
-from tridiag_tutorial import dense_solve, tridiagonal_solve
+from tridiag_tutorial import tridiagonal_solve
 from tridiag_tutorial.book.custom_op import tridiagonal_solve_custom_op
+from tridiag_tutorial.reference import dense_solve
 
 from conftest import assert_close, make_system, torch_trap
 

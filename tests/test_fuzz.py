@@ -1,6 +1,6 @@
 """A seeded fuzz of every entry point (issue 23): pivots, shapes, dtypes, devices and strides.
 
-Every case either returns the right answer (against :func:`tridiag_tutorial.dense_solve`) or
+Every case either returns the right answer (against :func:`tridiag_tutorial.reference.dense_solve`) or
 raises ``ValueError`` / ``TypeError`` / ``RuntimeError`` / ``torch.linalg.LinAlgError`` whose
 message names the function or op. Each ``driver`` (issue 24) has its own run: the solves run on
 it, the factorizations and solves from factors on the factor driver beside it (LAPACK beside the
@@ -27,8 +27,14 @@ WORKER = r'''
 import json, sys
 import torch
 import functools
-from tridiag_tutorial import (dense_solve, kernels, to_dense, tridiagonal_lu_factor,
-                              tridiagonal_lu_solve, tridiagonal_solve)
+from tridiag_tutorial import (
+    kernels,
+    to_dense,
+    tridiagonal_lu_factor,
+    tridiagonal_lu_solve,
+    tridiagonal_solve,
+)
+from tridiag_tutorial.reference import dense_solve
 
 # The solve driver under test, and the factor driver beside it (the C++ and partitioned kernels
 # do not factor: LAPACK's factors beside the C++ kernel, the sequential kernel's beside the

@@ -4,10 +4,13 @@ import pytest
 import torch
 from torch.autograd import gradcheck, gradgradcheck
 
-from tridiag_tutorial import dense_solve, kernels, tridiagonal_solve
+from tridiag_tutorial import kernels, tridiagonal_solve
+from tridiag_tutorial._schemas import lu_factor_op as _factor_op
+from tridiag_tutorial._schemas import solve_kernel_op as _kernel_op
+from tridiag_tutorial.api import _factors
 from tridiag_tutorial.book.autograd_function import tridiagonal_solve_function
 from tridiag_tutorial.book.custom_op import tridiagonal_solve_custom_op, tridiagonal_solve_op
-from tridiag_tutorial.ops import _factor_op, _factors, _kernel_op
+from tridiag_tutorial.reference import dense_solve
 
 from conftest import assert_close, make_system
 

@@ -14,8 +14,9 @@ import pytest
 import torch
 
 import tridiag_tutorial
-from tridiag_tutorial import dense_solve, ops, tridiagonal_solve
+from tridiag_tutorial import _schemas, tridiagonal_solve
 from tridiag_tutorial.kernels import compiled
+from tridiag_tutorial.reference import dense_solve
 
 from conftest import assert_close, make_system, require_cpp
 
@@ -88,7 +89,7 @@ WITHOUT_EXTENSION = """
     sys.modules["tridiag_tutorial._C"] = None  # `from . import _C` raises ImportError
     import torch
     import tridiag_tutorial
-    from tridiag_tutorial import kernels, ops, tridiagonal_lu_factor, tridiagonal_lu_solve
+    from tridiag_tutorial import _schemas, kernels, tridiagonal_lu_factor, tridiagonal_lu_solve
     from tridiag_tutorial.kernels import compiled
     from tridiag_tutorial import tridiagonal_solve
 
@@ -109,8 +110,8 @@ WITHOUT_EXTENSION = """
         except RuntimeError as err:
             report["cpp_error"] = str(err)
     report["schemas"] = {name: str(getattr(torch.ops.tridiag_tutorial, name).default._schema)
-                         for name in ops.SCHEMAS}
-    report["SCHEMAS"] = ops.SCHEMAS
+                         for name in _schemas.SCHEMAS}
+    report["SCHEMAS"] = _schemas.SCHEMAS
     report["has_cpp_solve"] = hasattr(torch.ops.tridiag_tutorial, "cpp_solve")
 
     args = [t.clone().requires_grad_() for t in inputs["batch"]]
@@ -175,10 +176,10 @@ def test_without_extension_cpp_driver_says_how_to_fix_it(without_extension):
 
 def test_without_extension_python_defines_the_schemas(without_extension):
     report, _, _ = without_extension
-    assert report["SCHEMAS"] == ops.SCHEMAS
+    assert report["SCHEMAS"] == _schemas.SCHEMAS
     assert set(report["schemas"]) == {"solve", "solve_kernel", "lu_factor"}
     for name, schema in report["schemas"].items():
-        assert schema == "tridiag_tutorial::" + ops.SCHEMAS[name]
+        assert schema == "tridiag_tutorial::" + _schemas.SCHEMAS[name]
     assert report["has_cpp_solve"] is False  # the C++ kernel's op comes with the library only
 
 
@@ -196,11 +197,11 @@ def test_without_extension_compile_and_gradcheck(without_extension):
 # With the extension: the C++ library defines the schemas, and works without Python.
 # ---------------------------------------------------------------------------------------------
 def test_cpp_library_defines_the_python_schemas():
-    """The schemas in csrc/tridiag.cpp are ops.SCHEMAS, the ones the package defines where the
+    """The schemas in csrc/tridiag.cpp are _schemas.SCHEMAS, the ones the package defines where the
     extension is missing: a graph saved in one install loads in the other."""
     require_cpp()
-    assert set(ops.SCHEMAS) == {"solve", "solve_kernel", "lu_factor"}
-    for name, schema in ops.SCHEMAS.items():
+    assert set(_schemas.SCHEMAS) == {"solve", "solve_kernel", "lu_factor"}
+    for name, schema in _schemas.SCHEMAS.items():
         assert str(getattr(torch.ops.tridiag_tutorial, name).default._schema) == (
             "tridiag_tutorial::" + schema)
     assert str(torch.ops.tridiag_tutorial.cpp_solve.default._schema) == (
@@ -252,7 +253,7 @@ def test_cpp_library_works_without_the_python_package(tmp_path):
     with pytest.raises(tridiag_tutorial.SingularMatrixError):
         tridiagonal_solve(*singular)
     torch.save({"args": args, "x": x, "singular": singular, "ops": OPS,
-                "schemas": {name: "tridiag_tutorial::" + s for name, s in ops.SCHEMAS.items()}},
+                "schemas": {name: "tridiag_tutorial::" + s for name, s in _schemas.SCHEMAS.items()}},
                tmp_path / "inputs.pt")
     code = textwrap.dedent(LIBRARY_ALONE)
     done = subprocess.run([sys.executable, "-c", code, path], cwd=tmp_path, capture_output=True,
@@ -262,7 +263,7 @@ def test_cpp_library_works_without_the_python_package(tmp_path):
     assert report["modules"] == []  # nothing of the Python package was imported
     assert report["ops"] == {name: True for name in OPS}
     for name, schema in report["schemas"].items():
-        assert schema == "tridiag_tutorial::" + ops.SCHEMAS[name]
+        assert schema == "tridiag_tutorial::" + _schemas.SCHEMAS[name]
     assert report["solve_equal"] and report["solve_kernel_equal"] and report["cpp_solve_equal"]
     assert "singular" in report["singular_error"]
     assert "pivot U[0, 0] is exactly zero, in system 2" in report["singular_error"]

@@ -18,7 +18,7 @@ LAPACK or the sequential kernel only (``kernels.FACTOR_DRIVERS``): the factoriza
 C++ and partitioned kernels use the factor driver their solves stand beside.
 
 ``driver=None`` is a column of the matrix too (``"auto"`` in the test ids): on the CPU it is its
-own route, ``ops._solve_on_cpp`` (the C++ op called without the Python validation, which it
+own route, ``api._solve_on_cpp`` (the C++ op called without the Python validation, which it
 repeats only where the op refuses the inputs), and the general path to LAPACK for one complex
 system above n = 3000.
 """
@@ -33,13 +33,13 @@ from torch.autograd import forward_ad as fwAD
 from torch.autograd import gradcheck, gradgradcheck
 
 from tridiag_tutorial import (
-    dense_solve,
     kernels,
     tridiagonal_lu_factor,
     tridiagonal_lu_solve,
     tridiagonal_solve,
 )
 from tridiag_tutorial.kernels import compiled, lapack
+from tridiag_tutorial.reference import dense_solve
 
 from conftest import KERNELS, make_system, require_cpp
 

@@ -14,7 +14,6 @@ from torch.autograd import gradcheck, gradgradcheck
 import tridiag_tutorial
 from tridiag_tutorial import (
     SingularMatrixError,
-    dense_solve,
     kernels,
     tridiagonal_lu_factor,
     tridiagonal_lu_solve,
@@ -22,6 +21,7 @@ from tridiag_tutorial import (
 )
 from tridiag_tutorial.book import custom_op
 from tridiag_tutorial.kernels import compiled, lapack, partitioned, sequential
+from tridiag_tutorial.reference import dense_solve
 
 from conftest import (
     ALL_DTYPES,

@@ -222,3 +222,21 @@ def test_merge_keeps_the_other_kernels(tmp_path):
     assert ("pieces" in results["kernels"]) == compiled.is_available()
     with pytest.raises(SystemExit):
         accuracy.main(["--quick", "--kernels", "nonsense"])
+
+
+def test_before_kernel_from_a_source_file(tmp_path):
+    """--before FILE measures an earlier partitioned.py from its source (never by running git):
+    here the current kernel written as the earlier ones imported the sequential kernel
+    (``from . import torch_kernel``), which must give the current kernel's answers."""
+    source = pathlib.Path(partitioned.__file__).read_text()
+    assert "from . import sequential" in source
+    earlier = source.replace("from . import sequential", "from . import torch_kernel")
+    earlier = earlier.replace("sequential.", "torch_kernel.")
+    path = tmp_path / "before.py"
+    path.write_text(earlier)
+    old = accuracy.kernel_from_file(str(path))
+    system = [torch.from_numpy(t) for t in accuracy.make("random", 300, np.float64, seed=5)]
+    torch.testing.assert_close(old.solve(*system), partitioned.solve(*system), rtol=0, atol=0)
+    results = accuracy.main(["--quick", "--before", str(path), "--kernels", "before"])
+    rows = results["kernels"]["before"]["rows"]
+    assert rows and all(r["disagreements"] == 0 for r in rows)

@@ -22,7 +22,6 @@ from scipy.linalg import lapack as scipy_lapack
 from tridiag_tutorial import (
     SingularMatrixError,
     TridiagonalFactors,
-    dense_solve,
     to_dense,
     tridiagonal_lu_factor,
     tridiagonal_lu_solve,
@@ -30,6 +29,7 @@ from tridiag_tutorial import (
 )
 from tridiag_tutorial.book.multiprocess import run_on_ranks
 from tridiag_tutorial.kernels import lapack
+from tridiag_tutorial.reference import dense_solve
 
 from conftest import assert_close, make_system
 

@@ -27,13 +27,9 @@ import torch
 import torch.multiprocessing as mp
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from tridiag_tutorial import (
-    dense_solve,
-    tridiagonal_lu_factor,
-    tridiagonal_lu_solve,
-    tridiagonal_solve,
-)
+from tridiag_tutorial import tridiagonal_lu_factor, tridiagonal_lu_solve, tridiagonal_solve
 from tridiag_tutorial.book.multiprocess import free_port
+from tridiag_tutorial.reference import dense_solve
 
 from conftest import assert_close, make_system
 
@@ -359,7 +355,8 @@ FRESH = """
     import datetime, json, os, sys
     import torch
     import tridiag_tutorial
-    from tridiag_tutorial import dense_solve, tridiagonal_solve
+    from tridiag_tutorial import tridiagonal_solve
+    from tridiag_tutorial.reference import dense_solve
     assert "torch.distributed.tensor" not in sys.modules, "import tridiag_tutorial imported DTensor"
 
     import torch.distributed as dist

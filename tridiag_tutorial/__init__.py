@@ -1,27 +1,32 @@
 """tridiag_tutorial: a differentiable tridiagonal solver for PyTorch, and the book that builds it.
 
-The public face is :func:`tridiagonal_solve`, and :func:`tridiagonal_lu_factor` /
-:func:`tridiagonal_lu_solve` for a matrix used many times; chapters import the modules that hold each stage:
+The solver: :func:`tridiagonal_solve`, and :func:`tridiagonal_lu_factor` /
+:func:`tridiagonal_lu_solve` for a matrix used many times, with :class:`TridiagonalFactors` and
+:class:`SingularMatrixError`; :func:`cpp_available` says whether the install built the C++
+kernel; :func:`to_dense` and :func:`tridiag_matmul` turn bands into a matrix and multiply by one.
 
-- :mod:`tridiag_tutorial.kernels.lapack`: LAPACK ``?gtsv``, ``?gttrf``, ``?gttrs`` through SciPy;
-- :mod:`tridiag_tutorial.rules`: the backward and forward-mode formulas (chapter 3);
-- :mod:`tridiag_tutorial.reference`: dense references for tests and chapters;
-- :mod:`tridiag_tutorial.kernels`: the ``driver`` argument: which kernel runs (LAPACK, C++,
-  sequential or partitioned torch ops), and the automatic choice;
-- :mod:`tridiag_tutorial.kernels.compiled`: the C++ kernel, built at install (chapter 12);
-- :mod:`tridiag_tutorial.ops`: the final op.
+The package, top down (the arrows point down only):
+
+- :mod:`tridiag_tutorial.api`: the public functions; :mod:`tridiag_tutorial.functions`: their
+  autograd Functions; :mod:`tridiag_tutorial.registration`: the ops' kernels, fake kernels,
+  autograd and vmap rules; :mod:`tridiag_tutorial.rules`: the derivative formulas (chapter 3);
+- :mod:`tridiag_tutorial.kernels`: which kernel runs (the ``driver`` argument), and the kernels:
+  LAPACK, the C++ kernel built at install, the sequential and partitioned kernels in torch ops;
+- :mod:`tridiag_tutorial.distributed`: one system split across processes, and DTensor's rules;
+- :mod:`tridiag_tutorial.book`: what only the chapters use; :mod:`tridiag_tutorial.bench`: the
+  benchmark and accuracy harness. ``import tridiag_tutorial`` imports neither, nor
+  :mod:`~tridiag_tutorial.distributed`.
 """
 
 from ._validation import SingularMatrixError as SingularMatrixError
+from .api import TridiagonalFactors as TridiagonalFactors
+from .api import tridiagonal_lu_factor as tridiagonal_lu_factor
+from .api import tridiagonal_lu_solve as tridiagonal_lu_solve
+from .api import tridiagonal_solve as tridiagonal_solve
 from .kernels import cpp_available as cpp_available
-from .ops import TridiagonalFactors as TridiagonalFactors
-from .ops import tridiagonal_lu_factor as tridiagonal_lu_factor
-from .ops import tridiagonal_lu_solve as tridiagonal_lu_solve
-from .ops import tridiagonal_solve as tridiagonal_solve
-from .reference import dense_solve as dense_solve
 from .reference import to_dense as to_dense
 from .rules import tridiag_matmul as tridiag_matmul
 
 __all__ = ["tridiagonal_solve", "tridiagonal_lu_factor", "tridiagonal_lu_solve", "TridiagonalFactors",
-           "SingularMatrixError", "cpp_available", "dense_solve", "to_dense", "tridiag_matmul"]
+           "SingularMatrixError", "cpp_available", "to_dense", "tridiag_matmul"]
 __version__ = "0.1.0"

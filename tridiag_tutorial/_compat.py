@@ -1,4 +1,4 @@
-"""The private torch APIs that the composition machinery of :mod:`tridiag_tutorial.ops` needs, in
+"""The private torch APIs that the composition machinery of :mod:`tridiag_tutorial.functions` and :mod:`tridiag_tutorial.registration` needs, in
 one place, each with what it detects. ``tests/test_compat.py`` fails loudly if a torch release
 removes or renames one of them.
 
@@ -44,7 +44,7 @@ def differentiation_depth() -> int:
                for i in retrieve_all_functorch_interpreters())
 
 
-# The fast path's checks (ops._direct, ops._unobserved): is anything but the result watching?
+# The fast path's checks (functions._direct, functions._unobserved): is anything but the result watching?
 def mode_active() -> bool:
     """A ``TorchDispatchMode`` (FakeTensorMode, FlopCounterMode, ...) or a ``TorchFunctionMode``
     is installed: the call must go through the dispatcher so that the mode sees it."""

@@ -15,8 +15,9 @@ a rank-1 2 x 2 block) are counted apart: how many raise
 :class:`~tridiag_tutorial.SingularMatrixError` on LAPACK and on the kernel, and how many disagree.
 
 ``python -m tridiag_tutorial.bench.accuracy --out notebooks/data/accuracy_results.json`` measures the
-kernel as it is (``after``) and the kernel before refinement was added (``before``: ``git show
-BEFORE:tridiag_tutorial/kernels/partitioned.py``, where git and that commit are there) and writes
+kernel as it is (``after``), and with ``--before FILE`` the kernel before refinement was added as
+well (``before``: the source of that ``partitioned.py``, which git gives from a clone, ``git show
+93bdc29:tridiag_tutorial/partitioned.py > before.py``; the harness never runs git), and writes
 both with the machine's description; ``--quick`` runs a small sample. Chapter 15 renders the
 table.
 
@@ -36,7 +37,6 @@ import importlib.util
 import json
 import math
 import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -273,8 +273,11 @@ def measure(solve, families=FAMILIES, singular=SINGULAR_FAMILIES, systems=None, 
 
 def _load_module(source: str, name: str):
     """A module made from ``source`` (the text of a ``partitioned.py``), importing its
-    relative imports from this package."""
-    source = source.replace("from . import", "from tridiag_tutorial import")
+    relative imports from this package's kernels (``torch_kernel``: the sequential kernel's
+    earlier name)."""
+    source = source.replace("from . import torch_kernel",
+                            "from tridiag_tutorial.kernels import sequential as torch_kernel")
+    source = source.replace("from . import", "from tridiag_tutorial.kernels import")
     with tempfile.TemporaryDirectory() as folder:
         path = os.path.join(folder, name + ".py")
         with open(path, "w") as f:
@@ -285,24 +288,21 @@ def _load_module(source: str, name: str):
     return module
 
 
-def committed_kernel(revision: str = BEFORE):
-    """The partitioned kernel of ``revision`` (``git show``), or None where git cannot show it."""
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    try:
-        source = subprocess.run(["git", "show", f"{revision}:tridiag_tutorial/kernels/partitioned.py"],
-                                cwd=root, capture_output=True, text=True, check=True).stdout
-    except (OSError, subprocess.CalledProcessError):
-        return None
-    return _load_module(source, "_partitioned_" + revision.replace("~", "_").replace("^", "_"))
+def kernel_from_file(path: str):
+    """The partitioned kernel whose source is the file ``path`` (an earlier ``partitioned.py``)."""
+    with open(path) as f:
+        source = f.read()
+    return _load_module(source, "_partitioned_before")
 
 
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", help="write the results as JSON to this file")
     parser.add_argument("--quick", action="store_true", help="a few systems of n = 64 and 1000")
-    parser.add_argument("--before", default=BEFORE,
-                        help="git revision of the kernel to compare with (default: the last one "
-                             "without refinement; '' for none)")
+    parser.add_argument("--before", default="",
+                        help="the source file of an earlier partitioned.py to measure as 'before' "
+                             f"(the last one without refinement: git show {BEFORE[:7]}:"
+                             "tridiag_tutorial/partitioned.py > before.py); default: none")
     parser.add_argument("--kernels", default=",".join(KERNELS),
                         help="which to measure, of " + ", ".join(KERNELS) + " (default: all; "
                              "pieces only where the C++ kernel is built)")
@@ -317,7 +317,7 @@ def main(argv=None) -> dict:
         parser.error(f"unknown kernels {unknown}; choose from {', '.join(KERNELS)}")
     systems = QUICK_SYSTEMS if args.quick else SYSTEMS
     kernels = {}
-    old = committed_kernel(args.before) if args.before and "before" in wanted else None
+    old = kernel_from_file(args.before) if args.before and "before" in wanted else None
     if old is not None:
         kernels["before"] = dict(run=None, solve=old.solve, systems=systems)
     if "after" in wanted:

@@ -100,11 +100,11 @@ from scipy.linalg import get_lapack_funcs
 from torch.utils import benchmark
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from .. import kernels
+from .. import _routes, kernels
+from ..api import tridiagonal_lu_factor, tridiagonal_lu_solve, tridiagonal_solve
 from ..book.autograd_function import tridiagonal_solve_function
 from ..book.custom_op import tridiagonal_solve_custom_op
 from ..kernels import compiled
-from ..ops import tridiagonal_lu_factor, tridiagonal_lu_solve, tridiagonal_solve
 from ..reference import dense_solve
 
 __all__ = ["run", "run_time_stepping", "run_compiled_kernel", "run_torch_kernels",
@@ -1680,58 +1680,34 @@ ROUTE_CASES = [(100, 0), (1000, 0), (256, 1024)]  # (n, batch)
 ROUTE_AS_INSTALLED = "as installed"
 
 
-@contextlib.contextmanager
-def _patched(module, **values):
-    """``module``'s attributes set to ``values`` while the block runs; restored on leaving."""
-    saved = {name: getattr(module, name) for name in values}
-    for name, value in values.items():
-        setattr(module, name, value)
-    try:
-        yield
-    finally:
-        for name, value in saved.items():
-            setattr(module, name, value)
-
-
 def _without_cpp_fast_path():
-    """The final op without ``ops._solve_on_cpp``: every call validates its inputs in Python and
-    resolves the driver before it calls the C++ kernel (``ops._CPP`` False)."""
-    from .. import ops
-    return _patched(ops, _CPP=False)
+    """The final op without ``api._solve_on_cpp``: every call validates its inputs in Python and
+    resolves the driver before it calls the C++ kernel."""
+    return _routes.disabled("cpp_fast_path")
 
 
 def _without_direct_kernel():
-    """The final op with every kernel call dispatched: no C++ fast path, and ``ops._unobserved``
-    and ``ops._direct`` say False, so every call goes through the autograd.Function and the op
-    ``tridiag_tutorial::solve_kernel`` (forward and backward)."""
-    from .. import ops
-    never = lambda *args: False  # noqa: E731
-    return _patched(ops, _CPP=False, _unobserved=never, _direct=never)
+    """The final op with every kernel call dispatched: no C++ fast path, and no direct kernel
+    call (``functions._unobserved`` and ``functions._direct`` say False), so every call goes
+    through the autograd.Function and the op ``tridiag_tutorial::solve_kernel`` (forward and
+    backward)."""
+    return _routes.disabled("cpp_fast_path", "direct_kernel")
 
 
 def _with_function_apply():
-    """The final op without ``ops._solve_on_cpp`` (as :func:`_without_cpp_fast_path`: a call with
+    """The final op without ``api._solve_on_cpp`` (as :func:`_without_cpp_fast_path`: a call with
     gradients then applies the general path's autograd.Function), applying that Function with
     plain ``_TridiagonalSolve.apply`` (which binds the arguments to ``forward``'s signature with
     :mod:`inspect` on every call) instead of ``_compat.function_apply``: compare its row with
     the row without the C++ fast path."""
-    from .. import ops
-    return _patched(ops, _CPP=False, _apply=lambda *args: ops._TridiagonalSolve.apply(*args))
+    return _routes.disabled("cpp_fast_path", "function_apply")
 
 
 def _without_fused_backward():
-    """The final op whose C++ fast path runs its backward as before ``cpp_solve_backward``: the
-    solve with ``A^H`` on the C++ kernel (:func:`compiled.solve`) and the band gradients in torch
-    ops (:func:`rules.solve_backward`), in place of the one C++ call."""
-    from .. import ops, rules
-
-    def unfused(lower, diag, upper, x, grad_x):
-        column = (lambda t: t.unsqueeze(-1)) if x.dim() == diag.dim() else (lambda t: t)
-        *bands, v = rules.solve_backward(compiled.solve, lower, diag, upper, column(x),
-                                         column(grad_x))
-        return (*bands, v.reshape(x.shape))
-
-    return _patched(ops.compiled, solve_backward=unfused)
+    """The final op whose C++ fast path runs its backward as a solve with ``A^H`` on the C++
+    kernel (:func:`compiled.solve`) and the band gradients in torch ops
+    (:func:`rules.solve_backward`), in place of the one C++ call ``cpp_solve_backward``."""
+    return _routes.disabled("fused_backward")
 
 
 # route -> (function, context factory or None, what the route's row tells)
@@ -1739,15 +1715,15 @@ ROUTES = {
     ROUTE_AS_INSTALLED: (tridiagonal_solve, None, "the final op, driver=None"),
     "without the C++ fast path": (
         tridiagonal_solve, _without_cpp_fast_path,
-        "justifies ops._solve_on_cpp (the C++ op checks the inputs, no Python validation; with "
-        "gradients, ops._CppSolve)"),
+        "justifies api._solve_on_cpp (the C++ op checks the inputs, no Python validation; with "
+        "gradients, functions._CppSolve)"),
     "without the fused C++ backward": (
         tridiagonal_solve, _without_fused_backward,
         "justifies compiled.solve_backward (the fast path's backward in one C++ call, not a "
         "solve and the band products in torch ops)"),
     "without direct kernel calls": (
         tridiagonal_solve, _without_direct_kernel,
-        "justifies ops._unobserved / ops._direct (kernels called without the dispatcher)"),
+        "justifies functions._unobserved / functions._direct (kernels called without the dispatcher)"),
     "Function.apply instead of _compat.function_apply": (
         tridiagonal_solve, _with_function_apply,
         "justifies _compat.function_apply (no inspect binding per call): over the row without "

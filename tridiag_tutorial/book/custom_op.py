@@ -19,7 +19,7 @@ To PyTorch the op is one opaque node with a schema. What makes it a first-class 
 :func:`tridiagonal_solve_custom_op` is the chapter's version: validation, then the op. It compiles
 with ``fullgraph=True`` and passes ``opcheck``, but on torch 2.13 ``torch.func.grad`` raises on it
 and ``torch.func.jvp``/``jacfwd`` silently return zero tangents; the final
-:func:`tridiag_tutorial.tridiagonal_solve` (:mod:`tridiag_tutorial.ops`) wraps the same op to fix
+:func:`tridiag_tutorial.tridiagonal_solve` (:mod:`tridiag_tutorial.api`) wraps the same op to fix
 that.
 """
 
@@ -29,7 +29,7 @@ import torch
 
 from .. import kernels, rules
 from .._validation import validate
-from ..ops import _vmap_rule  # the general batch rule, shared with the final op
+from ..functions import _vmap_rule  # the general batch rule, shared with the final op
 
 __all__ = ["tridiagonal_solve_op", "tridiagonal_solve_custom_op"]
 

@@ -25,7 +25,7 @@ import textwrap
 import torch
 from torch import nn
 
-from ..ops import tridiagonal_solve
+from ..api import tridiagonal_solve
 
 __all__ = ["N", "FEATURES", "BATCH", "STEPS", "LR", "BandedSolveModel", "make_data",
            "train_one_process", "hello_worker", "ddp_worker", "fsdp_worker", "DTENSOR_CASES",

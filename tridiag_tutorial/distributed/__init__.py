@@ -9,17 +9,19 @@
 ``import tridiag_tutorial`` imports neither; this package loads ``torch.distributed``.
 """
 
-from .solve import (
-    MIN_ROWS,
-    REFINEMENT_STEPS,
-    SolveRecord,
-    communication,
-    gather_solve,
-    record,
-    split_bands,
-    split_sizes,
-    split_solve,
-)
-
 __all__ = ["MIN_ROWS", "REFINEMENT_STEPS", "split_solve", "gather_solve", "split_bands",
            "split_sizes", "communication", "record", "SolveRecord"]
+
+
+def __getattr__(name: str):
+    """The names of :mod:`tridiag_tutorial.distributed.solve`, imported on first use, so that
+    importing :mod:`tridiag_tutorial.distributed.sharding` alone (which the public functions do
+    when a DTensor first reaches them) does not import the split solve and the library above it."""
+    if name in __all__:
+        from . import solve
+        return getattr(solve, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted(list(globals()) + __all__)

@@ -33,7 +33,7 @@ partitioned method with one block per rank: :func:`tridiag_tutorial.distributed.
 on each rank's local rows (not DTensors).
 
 Which ops need rules: a DTensor input is not a plain tensor, so the public functions take their
-general path (:func:`tridiag_tutorial.ops._direct` is false) and reach the ops through the
+general path (:func:`tridiag_tutorial.functions._direct` is false) and reach the ops through the
 dispatcher: ``tridiag_tutorial::solve_kernel`` forward and backward (the eager
 ``autograd.Function`` calls it, and so does a function compiled with ``torch.compile``) and
 ``tridiag_tutorial::lu_factor`` for the factors. The op ``tridiag_tutorial::solve`` has an
@@ -50,7 +50,7 @@ Importing this module registers the rules (``import tridiag_tutorial.distributed
 :func:`register`, which does nothing when called again. ``import tridiag_tutorial`` does not
 import this module, so the package does not load ``torch.distributed.tensor`` for users who never
 distribute a tensor; the public functions import it the first time a DTensor reaches them
-(:func:`tridiag_tutorial.ops._register_sharding_for`). A function of DTensors compiled with
+(:func:`tridiag_tutorial.functions._register_sharding_for`). A function of DTensors compiled with
 ``torch.compile``, and a direct call of the ops, need ``import tridiag_tutorial.distributed.sharding``
 first.
 
@@ -64,6 +64,8 @@ from __future__ import annotations
 import torch
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.experimental import register_sharding
+
+from .. import _schemas  # noqa: F401  (the ops' schemas, where the extension was not built)
 
 __all__ = ["register", "solve_strategies", "lu_factor_strategies", "OPS"]
 
@@ -137,8 +139,6 @@ def register() -> None:
     global _registered
     if _registered:
         return
-    import tridiag_tutorial.ops  # noqa: F401  (defines the ops where the extension was not built)
-
     ops = torch.ops.tridiag_tutorial
     register_sharding([ops.solve_kernel.default, ops.solve.default])(solve_strategies)
     register_sharding(ops.lu_factor.default)(lu_factor_strategies)
