@@ -407,3 +407,15 @@ def test_cuda_partitioned_matches_dense_with_gradients(dtype):
                                    args)
     for g, e in zip(grads, expected):
         assert_close(g.cpu(), e, dtype)
+
+
+def test_solve_ex_says_whether_it_fell_back():
+    """partitioned.solve_ex: the answer and whether the sequential kernel gave it (the accuracy
+    harness counts fallbacks with it); solve is its answer alone."""
+    system = make_system(200, (), 1, seed=3, dominant=True)
+    x, fell_back = partitioned.solve_ex(*system)
+    assert fell_back is False and torch.equal(x, partitioned.solve(*system))
+    system = singular_block_system()
+    x, fell_back = partitioned.solve_ex(*system)
+    assert fell_back is True
+    assert_close(x, dense(*system))

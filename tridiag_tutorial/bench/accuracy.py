@@ -45,7 +45,7 @@ import numpy as np
 import torch
 
 from .._validation import SingularMatrixError
-from ..kernels import compiled, lapack, partitioned, sequential
+from ..kernels import compiled, lapack, partitioned
 
 __all__ = ["FAMILIES", "SINGULAR_FAMILIES", "KERNELS", "make", "reference", "reversed_gtsv", "forward_error",
            "measure", "main"]
@@ -177,21 +177,12 @@ def _torch(*arrays):
     return [torch.from_numpy(np.ascontiguousarray(a)) for a in arrays]
 
 
-def _kernel_solve(solve, system):
-    """``(x, fell_back)`` of ``solve`` (a module's ``solve``) on one system; raises
+def _kernel_solve(module, system):
+    """``(x, fell_back)`` of a partitioned kernel (``module``: :mod:`tridiag_tutorial.kernels.
+    partitioned`, or an earlier one from :func:`kernel_from_file`) on one system; raises
     :class:`~tridiag_tutorial.SingularMatrixError`."""
-    calls, original = [], sequential.solve
-
-    def counting(*args):
-        calls.append(1)
-        return original(*args)
-
-    sequential.solve = counting
-    try:
-        x = solve(*_torch(*system))
-    finally:
-        sequential.solve = original
-    return x.numpy(), bool(calls)
+    x, fell_back = module.solve_ex(*_torch(*system))
+    return x.numpy(), bool(fell_back)
 
 
 def _pieces_solve(system):
@@ -205,9 +196,9 @@ def _ratio(error, lapack_error):
     return error / lapack_error if lapack_error > 0 else (1.0 if error == 0 else math.inf)
 
 
-def measure(solve, families=FAMILIES, singular=SINGULAR_FAMILIES, systems=None, log=None,
+def measure(kernel, families=FAMILIES, singular=SINGULAR_FAMILIES, systems=None, log=None,
             run=None):
-    """Rows for ``solve`` (a partitioned kernel's ``solve``), or for ``run`` (``run(system)``
+    """Rows for ``kernel`` (a partitioned kernel's module, with ``solve_ex``), or for ``run`` (``run(system)``
     gives ``(x, fell_back)``, as :func:`_pieces_solve`): one per family, dtype and size, with
     ``median_ratio``, ``max_ratio`` (kernel error / LAPACK error where LAPACK's is below 1e-2),
     ``compared``, ``fallbacks``, ``raised``, ``max_lapack_error`` and every ``ratios`` (3
@@ -216,7 +207,7 @@ def measure(solve, families=FAMILIES, singular=SINGULAR_FAMILIES, systems=None, 
     eliminations of the same systems come; singular families with
     ``lapack_raised``, ``kernel_raised`` and ``disagreements``."""
     systems = systems or SYSTEMS
-    run = run or (lambda system: _kernel_solve(solve, system))
+    run = run or (lambda system: _kernel_solve(kernel, system))
     rows = []
     for family in tuple(families) + tuple(singular):
         for dtype in (np.float32, np.float64):
@@ -288,11 +279,39 @@ def _load_module(source: str, name: str):
     return module
 
 
+class _CountingFallback:
+    """The sequential kernel as an earlier kernel's module sees it: ``solve`` counted."""
+
+    def __init__(self, kernel):
+        self._kernel, self.calls = kernel, 0
+
+    def solve(self, *args):
+        self.calls += 1
+        return self._kernel.solve(*args)
+
+    def __getattr__(self, name):
+        return getattr(self._kernel, name)
+
+
 def kernel_from_file(path: str):
-    """The partitioned kernel whose source is the file ``path`` (an earlier ``partitioned.py``)."""
+    """The partitioned kernel whose source is the file ``path`` (an earlier ``partitioned.py``),
+    with a ``solve_ex`` that says, as the current kernel's does, whether it fell back to the
+    sequential kernel (counted on the copy's own reference to it, not on the package)."""
     with open(path) as f:
         source = f.read()
-    return _load_module(source, "_partitioned_before")
+    module = _load_module(source, "_partitioned_before")
+    if not hasattr(module, "solve_ex"):
+        name = "torch_kernel" if hasattr(module, "torch_kernel") else "sequential"
+        counting = _CountingFallback(getattr(module, name))
+        setattr(module, name, counting)
+
+        def solve_ex(*args):
+            before = counting.calls
+            x = module.solve(*args)
+            return x, counting.calls > before
+
+        module.solve_ex = solve_ex
+    return module
 
 
 def main(argv=None) -> dict:
@@ -319,9 +338,9 @@ def main(argv=None) -> dict:
     kernels = {}
     old = kernel_from_file(args.before) if args.before and "before" in wanted else None
     if old is not None:
-        kernels["before"] = dict(run=None, solve=old.solve, systems=systems)
+        kernels["before"] = dict(run=None, solve=old, systems=systems)
     if "after" in wanted:
-        kernels["after"] = dict(run=None, solve=partitioned.solve, systems=systems)
+        kernels["after"] = dict(run=None, solve=partitioned, systems=systems)
     if "pieces" in wanted and compiled.is_available():
         kernels["pieces"] = dict(
             run=_pieces_solve, solve=None, families=PIECES_FAMILIES,

@@ -98,10 +98,12 @@ SINGULAR_MARGIN = 100.0  # fall back where eps max|(D^{-1} A)^{-1} z| > max|z| /
 GROWTH_TOL = 1e-3  # fall back where eps times the largest spike entry exceeds this
 
 
-def solve(lower: torch.Tensor, diag: torch.Tensor, upper: torch.Tensor, rhs: torch.Tensor,
-          block: int = BLOCK) -> torch.Tensor:
+def solve_ex(lower: torch.Tensor, diag: torch.Tensor, upper: torch.Tensor, rhs: torch.Tensor,
+             block: int = BLOCK) -> tuple[torch.Tensor, bool]:
     """``x = A^{-1} rhs`` for bands ``(*B, n-1)``, ``(*B, n)``, ``(*B, n-1)`` and ``rhs``
-    ``(*B, n, k)`` of one batch shape; returns a new tensor, the inputs are not modified.
+    ``(*B, n, k)`` of one batch shape, and whether the answer came from the fallback (the
+    sequential kernel, where the check of the answer failed); ``x`` is a new tensor, the inputs
+    are not modified.
 
     Raises:
         torch.linalg.LinAlgError: ``A`` is singular (raised by the sequential kernel that the
@@ -111,7 +113,7 @@ def solve(lower: torch.Tensor, diag: torch.Tensor, upper: torch.Tensor, rhs: tor
     if block < 2:
         raise ValueError(f"partitioned.solve: block must be at least 2, got {block}")
     if diag.numel() == 0:  # no system: nothing to solve
-        return rhs.new_zeros(rhs.shape)
+        return rhs.new_zeros(rhs.shape), False
     # k = 0 columns still runs: the probes (and the fallback) raise for a singular A, as the
     # other kernels do
     k = rhs.shape[-1]
@@ -125,8 +127,14 @@ def solve(lower: torch.Tensor, diag: torch.Tensor, upper: torch.Tensor, rhs: tor
         correction = _solve_phase(levels_, residual(x), block)
         x = x + correction
     if bool(_answer_is_suspect(lower, diag, upper, rhs, x, correction, k, _growth(levels_))):  # one device read
-        return sequential.solve(lower, diag, upper, rhs)
-    return x[..., :k].contiguous()
+        return sequential.solve(lower, diag, upper, rhs), True
+    return x[..., :k].contiguous(), False
+
+
+def solve(lower: torch.Tensor, diag: torch.Tensor, upper: torch.Tensor, rhs: torch.Tensor,
+          block: int = BLOCK) -> torch.Tensor:
+    """:func:`solve_ex`'s ``x`` alone: the kernel that ``driver="partitioned"`` runs."""
+    return solve_ex(lower, diag, upper, rhs, block)[0]
 
 
 _PROBE_STEPS = (0.6180339887498949, 0.4142135623730951)  # golden ratio and sqrt(2), mod 1
