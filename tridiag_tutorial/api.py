@@ -60,8 +60,8 @@ about twice a solve with the factors, so when a backward pass will follow, the p
 factors ``A = LU`` once (:func:`tridiagonal_lu_factor`'s op) and the backward solves
 ``A^H v = g`` from the same factors. With LAPACK it does not pay: ``?gtsv`` factors and solves in
 one sweep, so ``?gttrf`` + two ``?gttrs`` do nearly the work of two ``?gtsv``, and over a whole
-forward and backward keeping the factors was slower in most cases measured and at best about 10%
-faster (chapter 11 shows the measurements); the backward calls ``?gtsv`` with ``A^H``.
+forward and backward keeping the factors does not pay (chapter 11 shows the measurements); the
+backward calls ``?gtsv`` with ``A^H``.
 
 Factorization as a feature: :func:`tridiagonal_lu_factor` returns :class:`TridiagonalFactors`, and
 :func:`tridiagonal_lu_solve` solves with ``A``, ``A^T`` or ``A^H`` from them, for a matrix that
@@ -354,10 +354,7 @@ def tridiagonal_lu_solve(factors: TridiagonalFactors, rhs: torch.Tensor, trans: 
             CPU tensors included); ``rhs``'s shape does not fit; a pivot value is not one that
             ``?gttrf`` produces (1-based: ``pivots[..., i]`` is ``i + 1`` or ``i + 2``, the last
             one ``n``). The pivot values are checked where the kernel runs (also inside compiled
-            and exported graphs), with one read back from the device. Measured on the CPU (one
-            system, one thread, LAPACK, a loaded 2-core machine): the check took 4 to 9 µs at
-            n = 100, beside a 32 to 46 µs solve, and 41 to 88 µs at n = 1e5, beside 1.6 ms.
-            Pivots that are in range but were edited (``i + 1`` swapped for ``i + 2``) cannot
+            and exported graphs), with one read back from the device. Pivots that are in range but were edited (``i + 1`` swapped for ``i + 2``) cannot
             be told apart from real ones and give a wrong answer: pass them unmodified.
         RuntimeError: under ``torch.jit.trace`` or ``torch.jit.script``; use ``torch.compile``
             or ``torch.export.export``.

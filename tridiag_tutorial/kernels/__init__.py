@@ -43,8 +43,8 @@ DRIVERS = ("lapack", "cpp", "sequential", "partitioned")
 FACTOR_DRIVERS = ("lapack", "sequential")  # the kernels that factor and solve from factors
 _CPU_ONLY = ("lapack", "cpp")
 
-CPP_ONE_COMPLEX_SYSTEM_MAX_N = 3000  # measured: see choose_driver
-PARTITIONED_MIN_N = 64               # measured: see choose_driver
+CPP_ONE_COMPLEX_SYSTEM_MAX_N = 3000  # see choose_driver
+PARTITIONED_MIN_N = 64               # see choose_driver
 
 _CPP = compiled.is_available()  # fixed for the life of the process
 
@@ -63,24 +63,19 @@ def choose_driver(device_type: str, dtype: torch.dtype, batch: int, n: int, cpp:
 
     - **CPU**: the C++ kernel, where installed, for every batch of two or more systems, for one
       real system of any size and for one complex system of ``n <= CPP_ONE_COMPLEX_SYSTEM_MAX_N``;
-      LAPACK otherwise. Measured against this package's LAPACK kernel (``python -m
-      tridiag_tutorial.bench.benchmarks``, one thread, every dtype, one and four right-hand sides):
-      0.17 to 1.02 of LAPACK's time on batches of 2 to 64 systems of n = 8 to 1000, 0.2 to 0.5 on
-      batches of 1024 to 100000, 0.4 to 1.0 on one system of n <= 1000 (the fixed cost of the
-      call dominates). One real system of ``compiled.PIECES_MIN_N`` unknowns or more goes to the
-      kernel's solve in pieces, which eliminates many pieces of the one system side by side. On
-      the stored rows of ``--one-system-only`` (nine families of matrices, n = 4096, 1e5 and 1e6,
-      float32 and float64, one and two threads, quiet and with one core kept busy; AMD EPYC) the
-      op took 0.24 to 0.44 of raw ``?gtsv``'s time from n = 1e5 on, 0.51 to 0.60 at n = 4096
-      (the fixed cost of the call), and 1.03 to 1.07 on ``tridiag(-1, 2, -1)``, which the kernel
-      hands to its sequential elimination (chapter 12). One complex system has no such solve:
-      above 3000 unknowns the C++ kernel measured within 10% of LAPACK (0.9 to 1.0 of its time
-      at n = 1e4 and 1e5), so it stays on LAPACK.
+      LAPACK otherwise: the cases where the committed benchmark rows show the C++ kernel faster
+      than this package's LAPACK kernel (``python -m tridiag_tutorial.bench.benchmarks``: the
+      batches of ``--compiled-only``, the one large system of ``--one-system-only`` on nine
+      families of matrices, quiet and with a core busy; chapters 11 and 12 show them). One real
+      system of ``compiled.PIECES_MIN_N`` unknowns or more goes to the kernel's solve in pieces,
+      which eliminates many pieces of the one system side by side, and hands a system whose
+      pieces it cannot vouch for (``tridiag(-1, 2, -1)``, say) to its sequential elimination,
+      ``?gtsv``'s arithmetic. One complex system has no such solve, and above
+      ``CPP_ONE_COMPLEX_SYSTEM_MAX_N`` unknowns the rows show no gain over LAPACK: it stays there.
     - **Every other device**: the partitioned kernel for ``n >= PARTITIONED_MIN_N``, the
-      sequential one below. The sequential kernel dispatches about 37 operations per row, of which 7 are
-      views (no kernel) and about 30 compute, each a kernel launch of several microseconds on a
-      GPU; the partitioned one a number that grows like ``log n`` (about 1,300 that compute at
-      n = 1000 and 2,100 at n = 1e6, its refinement included). That part is a judgement from the
+      sequential one below. The sequential kernel dispatches a fixed number of operations per
+      row, each a kernel launch on a GPU; the partitioned one a number that grows like ``log n``
+      (``--torch-kernels-only`` counts both; chapter 15). That part is a judgement from the
       operation counts, not a GPU measurement.
     """
     if device_type == "cpu":

@@ -21,10 +21,12 @@ to the *pieces* kernel instead (:func:`solve_ex`, the op ``cpp_solve_ex``, takes
 argument and says how often it handed a system back). The rows are cut into pieces of about 512;
 8 pieces (16 in single precision) are eliminated side by side, with partial pivoting inside each
 piece, together with two "spikes" (the pieces' couplings to their neighbours); a small banded
-system in the unknowns at the pieces' ends joins them, and each piece is solved again with its
-neighbours' values. One thread does it all. Its rounding differs from ``?gtsv``'s (it does not
-pivot across the ends of the pieces); on the families of ``python -m tridiag_tutorial.bench.accuracy``
-its forward error stayed within 10 times LAPACK's. It hands the system to the sequential
+system in the unknowns at the pieces' ends joins them, and each piece's answer is combined from
+its three columns with its neighbours' values (or, where that combination cancels, the piece is
+solved again). One thread does it all. Its rounding differs from ``?gtsv``'s (it does not pivot
+across the ends of the pieces), so its forward error is close to LAPACK's but not within a fixed
+multiple of it on every system (``python -m tridiag_tutorial.bench.accuracy --kernels pieces``
+measures it; chapter 12 shows the rows). It hands the system to the sequential
 elimination, which is ``?gtsv``'s, where it cannot vouch for its answer: a zero or non-finite
 pivot in a piece, a step that cancels to rounding, a (nearly) zero pivot in the joining system, a
 value that is not finite, cancellation in a piece, or (decided after the first 8 pieces, once
@@ -55,9 +57,9 @@ __all__ = ["is_available", "library_path", "thread_budget", "ThreadBudget", "sol
            "BUILD_ERROR", "repair_command"]
 
 # One real system of this size or more goes to the pieces kernel (the C++ op cpp_solve uses the
-# same number: kPiecesMinN in tridiag.cpp). The pieces kernel took less time than the sequential
-# elimination at every size tried from 384 up; from 1024 its pieces have 128 rows or more (64 in
-# single precision).
+# same number: kPiecesMinN in tridiag.cpp). From 1024 its pieces have 128 rows or more (64 in single
+# precision); the committed one-system rows show the pieces faster than the sequential
+# elimination from 4096, the smallest size they measure.
 PIECES_MIN_N = 1024
 
 #: Set to ``1`` before the package is imported to run as if the C++ kernel had not been built
