@@ -23,6 +23,13 @@ metadata alone (:func:`validate_kernel_args`, :func:`validate_factor_args`), in 
 their fake kernels alike, and the kernels that solve from factors check the pivot values
 (:func:`check_pivot_values`) before anything indexes with them: LAPACK's ``?gttrs`` trusts
 ``ipiv``, and a value outside ``{i+1, i+2}`` makes it read and write outside its arrays.
+
+Every check derives from the same few: :func:`check_tensors` (dense tensors of one supported
+dtype on one device), :func:`rhs_layout` and :func:`broadcast_batch`; the distributed solve's
+per-rank check (:mod:`tridiag_tutorial.distributed.solve`) builds on them too, with its own band
+layout. The C++ kernel checks its inputs again before it reads one: the last guard, for a direct
+call of its op. Where it refuses the inputs of the public function's fast path, the path through
+:func:`validate` runs and raises the error that names the problem.
 """
 
 from __future__ import annotations
@@ -33,8 +40,9 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-__all__ = ["SUPPORTED_DTYPES", "SingularMatrixError", "Problem", "validate", "validate_bands", "validate_factors",
-           "validate_kernel_args", "validate_factor_args", "check_pivot_values"]
+__all__ = ["SUPPORTED_DTYPES", "SingularMatrixError", "Problem", "validate", "validate_bands",
+           "validate_factors", "validate_kernel_args", "validate_factor_args", "check_pivot_values",
+           "check_tensors", "rhs_layout", "broadcast_batch"]
 
 SUPPORTED_DTYPES = (torch.float32, torch.float64, torch.complex64, torch.complex128)
 _NAMES = ("lower", "diag", "upper", "rhs")
@@ -100,36 +108,13 @@ def validate(lower, diag, upper, rhs, *, name: str = "tridiagonal_solve") -> Pro
     """
     tensors = (lower, diag, upper, rhs)
     n = _check(tensors, name)
-    if rhs.ndim == diag.ndim:
-        vector_rhs = True
-        rhs_batch, rhs_n = rhs.shape[:-1], rhs.shape[-1]
-    elif rhs.ndim == diag.ndim + 1:
-        vector_rhs = False
-        rhs_batch, rhs_n = rhs.shape[:-2], rhs.shape[-2]
-    else:
-        raise ValueError(
-            f"{name}: rhs must have diag.ndim = {diag.ndim} dimensions (one vector per system) or "
-            f"diag.ndim + 1 = {diag.ndim + 1} (a matrix (n, k) per system); got {_describe(tensors)}"
-        )
-    if rhs_n != n:
-        where = "last" if vector_rhs else "second-to-last"
-        raise ValueError(
-            f"{name}: rhs must have n = {n} rows (its {where} dimension); got {_describe(tensors)}"
-        )
-
+    shapes = lambda: _describe(tensors)  # noqa: E731
+    vector_rhs, rhs_batch = rhs_layout(rhs, diag, n, name, shapes)
     batches = (lower.shape[:-1], diag.shape[:-1], upper.shape[:-1], rhs_batch)
-    if batches[0] == batches[1] == batches[2] == batches[3]:  # the common case, and fast
-        batch = batches[0]
-    else:
-        try:
-            batch = torch.broadcast_shapes(*batches)
-        except RuntimeError:
-            raise ValueError(
-                f"{name}: the batch dimensions do not broadcast: {_describe(tensors)}"
-            ) from None
+    if not batches[0] == batches[1] == batches[2] == batches[3]:  # else: the common case, fast
+        batch = broadcast_batch(batches, name, shapes)
         lower, diag, upper = (t.expand(*batch, t.shape[-1]) for t in (lower, diag, upper))
         rhs = rhs.expand(*batch, *rhs.shape[len(rhs_batch):])
-
     return Problem(lower, diag, upper, rhs.unsqueeze(-1) if vector_rhs else rhs, vector_rhs)
 
 
@@ -139,36 +124,64 @@ def validate_bands(lower, diag, upper, *, name: str):
     tensors = (lower, diag, upper)
     _check(tensors, name)
     batches = (lower.shape[:-1], diag.shape[:-1], upper.shape[:-1])
-    if batches[0] == batches[1] == batches[2]:
+    batch = broadcast_batch(batches, name, lambda: _describe(tensors))
+    if all(b == batch for b in batches):
         return tensors
-    try:
-        batch = torch.broadcast_shapes(*batches)
-    except RuntimeError:
-        raise ValueError(f"{name}: the batch dimensions do not broadcast: {_describe(tensors)}"
-                         ) from None
     return tuple(t.expand(*batch, t.shape[-1]) for t in tensors)
+
+
+def check_tensors(tensors, name: str, names=_NAMES) -> None:
+    """The checks every entry point makes first, the distributed one included: each argument a
+    dense tensor, all of one supported dtype, all on one device."""
+    for arg, t in zip(names, tensors):
+        _check_dense(arg, t, name)
+    dtypes = {t.dtype for t in tensors}
+    if len(dtypes) > 1:
+        listed = ", ".join(f"{arg}={t.dtype}" for arg, t in zip(names, tensors))
+        raise TypeError(f"{name}: all inputs must have the same dtype, got {listed}")
+    dtype = tensors[1].dtype
+    if dtype not in SUPPORTED_DTYPES:
+        supported = ", ".join(str(d) for d in SUPPORTED_DTYPES)
+        raise TypeError(f"{name}: dtype {dtype} is not supported; use one of {supported}")
+    devices = {t.device for t in tensors}
+    if len(devices) > 1:
+        listed = ", ".join(f"{arg} on {t.device}" for arg, t in zip(names, tensors))
+        raise ValueError(f"{name}: all inputs must be on the same device, got {listed}")
+
+
+def rhs_layout(rhs, diag, rows: int, name: str, shapes, rows_name: str = "n"):
+    """``(vector, batch)`` of ``rhs`` against ``diag``: ``(..., rows)`` (one vector per system)
+    or ``(..., rows, k)``; raises ``ValueError`` naming ``shapes()`` (called only then: the
+    message is not built, nor traced by Dynamo, for valid inputs) otherwise."""
+    if rhs.ndim == diag.ndim:
+        vector, batch, rhs_rows = True, rhs.shape[:-1], rhs.shape[-1]
+    elif rhs.ndim == diag.ndim + 1:
+        vector, batch, rhs_rows = False, rhs.shape[:-2], rhs.shape[-2]
+    else:
+        raise ValueError(
+            f"{name}: rhs must have diag.ndim = {diag.ndim} dimensions (one vector per system) or "
+            f"diag.ndim + 1 = {diag.ndim + 1} (a matrix ({rows_name}, k) per system); got {shapes()}")
+    if rhs_rows != rows:
+        where = "last" if vector else "second-to-last"
+        raise ValueError(f"{name}: rhs must have {rows_name} = {rows} rows (its {where} dimension); "
+                         f"got {shapes()}")
+    return vector, batch
+
+
+def broadcast_batch(batches, name: str, shapes):
+    """The batch shape that ``batches`` broadcast to; ``ValueError`` naming ``shapes()`` if none."""
+    if all(b == batches[0] for b in batches[1:]):  # the common case, and fast
+        return batches[0]
+    try:
+        return torch.broadcast_shapes(*batches)
+    except RuntimeError:
+        raise ValueError(f"{name}: the batch dimensions do not broadcast: {shapes()}") from None
 
 
 def _check(tensors, name: str) -> int:
     """The checks that do not involve ``rhs``'s shape; returns ``n``."""
     lower, diag, upper = tensors[:3]
-    for arg, t in zip(_NAMES, tensors):
-        _check_dense(arg, t, name)
-
-    dtypes = {t.dtype for t in tensors}
-    if len(dtypes) > 1:
-        listed = ", ".join(f"{arg}={t.dtype}" for arg, t in zip(_NAMES, tensors))
-        raise TypeError(f"{name}: all inputs must have the same dtype, got {listed}")
-    dtype = diag.dtype
-    if dtype not in SUPPORTED_DTYPES:
-        supported = ", ".join(str(d) for d in SUPPORTED_DTYPES)
-        raise TypeError(f"{name}: dtype {dtype} is not supported; use one of {supported}")
-
-    devices = {t.device for t in tensors}
-    if len(devices) > 1:
-        listed = ", ".join(f"{arg} on {t.device}" for arg, t in zip(_NAMES, tensors))
-        raise ValueError(f"{name}: all inputs must be on the same device, got {listed}")
-
+    check_tensors(tensors, name)
     for arg, t in zip(_NAMES[:3], tensors[:3]):
         if t.ndim == 0:
             raise ValueError(f"{name}: {arg} must have at least one dimension, got a scalar")

@@ -119,7 +119,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from .._validation import SUPPORTED_DTYPES, _check_dense
+from .._validation import SUPPORTED_DTYPES, broadcast_batch, check_tensors, rhs_layout
 from ..api import tridiagonal_lu_factor, tridiagonal_lu_solve, tridiagonal_solve
 from ..kernels import partitioned
 
@@ -288,52 +288,29 @@ class _Prepared(NamedTuple):
 def _local_check(lower, diag, upper, rhs, rank: int, world_size: int, name: str):
     """This rank's own checks: ``(lower, diag, upper, rhs (*B, m, k), vector)`` broadcast (views),
     or an exception (raised by the caller after every rank has said how it went)."""
-    tensors = (lower, diag, upper, rhs)
-    for arg, t in zip(("lower", "diag", "upper", "rhs"), tensors):
-        _check_dense(arg, t, name)
-    dtypes = {t.dtype for t in tensors}
-    if len(dtypes) > 1:
-        listed = ", ".join(f"{a}={t.dtype}" for a, t in zip(("lower", "diag", "upper", "rhs"),
-                                                              tensors))
-        raise TypeError(f"{name}: all inputs must have the same dtype, got {listed}")
-    if diag.dtype not in SUPPORTED_DTYPES:
-        raise TypeError(f"{name}: dtype {diag.dtype} is not supported; use one of "
-                        f"{', '.join(map(str, SUPPORTED_DTYPES))}")
-    devices = {t.device for t in tensors}
-    if len(devices) > 1:
-        raise ValueError(f"{name}: all inputs must be on one device, got "
-                         f"{', '.join(str(t.device) for t in tensors)}")
+    check_tensors((lower, diag, upper, rhs), name)
     if diag.device.type == "meta":
         raise ValueError(f"{name}: meta tensors have no data to solve with")
-    shapes = f"lower{tuple(lower.shape)}, diag{tuple(diag.shape)}, upper{tuple(upper.shape)}, " \
-             f"rhs{tuple(rhs.shape)}"
+    def shapes():
+        return (f"lower{tuple(lower.shape)}, diag{tuple(diag.shape)}, upper{tuple(upper.shape)}, "
+                f"rhs{tuple(rhs.shape)}")
+
     if diag.ndim == 0 or lower.ndim == 0 or upper.ndim == 0:
-        raise ValueError(f"{name}: the bands must have at least one dimension, got {shapes}")
+        raise ValueError(f"{name}: the bands must have at least one dimension, got {shapes()}")
     m = diag.shape[-1]
     if lower.shape[-1] != m or upper.shape[-1] != m:
         raise ValueError(
             f"{name}: on this rank lower, diag and upper must all have its m = diag.shape[-1] = {m} "
             f"rows (lower[..., 0] and upper[..., -1] are the couplings to the neighbouring ranks; "
-            f"split_bands makes this layout), got {shapes}")
+            f"split_bands makes this layout), got {shapes()}")
     if m < MIN_ROWS:
         raise ValueError(
             f"{name}: every rank must hold at least {MIN_ROWS} rows (its first and last rows are "
             f"the two unknowns it contributes to the reduced system), rank {rank} has {m}; give "
             f"it more rows or fewer ranks")
-    if rhs.ndim == diag.ndim:
-        vector, rhs_batch, rhs_m = True, rhs.shape[:-1], rhs.shape[-1]
-    elif rhs.ndim == diag.ndim + 1:
-        vector, rhs_batch, rhs_m = False, rhs.shape[:-2], rhs.shape[-2]
-    else:
-        raise ValueError(f"{name}: rhs must have diag.ndim = {diag.ndim} dimensions (one vector "
-                         f"per system) or {diag.ndim + 1} (m x k per system); got {shapes}")
-    if rhs_m != m:
-        raise ValueError(f"{name}: rhs must have this rank's m = {m} rows, got {shapes}")
-    try:
-        batch = torch.broadcast_shapes(lower.shape[:-1], diag.shape[:-1], upper.shape[:-1],
-                                       rhs_batch)
-    except RuntimeError:
-        raise ValueError(f"{name}: the batch dimensions do not broadcast: {shapes}") from None
+    vector, rhs_batch = rhs_layout(rhs, diag, m, name, shapes, rows_name="this rank's m")
+    batch = broadcast_batch((lower.shape[:-1], diag.shape[:-1], upper.shape[:-1], rhs_batch), name,
+                            shapes)
     if len(batch) > _MAX_BATCH_DIMS:
         raise ValueError(f"{name}: at most {_MAX_BATCH_DIMS} batch dimensions, got {len(batch)}; "
                          "flatten them")
