@@ -138,10 +138,11 @@ from torch.autograd import forward_ad as fwAD
 
 PACKAGE = "tridiag_tutorial"
 # Rule 2: not the routing layer (module names relative to the package).
-NOT_ROUTING = frozenset({"_validation", "_compat", "reference", "finite_diff", "benchmarks",
-                         "accuracy", "autograd_function", "custom_op"})
+NOT_ROUTING = frozenset({"_validation", "_compat", "reference", "book.finite_diff",
+                         "bench.benchmarks", "bench.accuracy", "book.autograd_function",
+                         "book.custom_op"})
 # Rule 3: kernel modules, of which only the entry points count.
-KERNEL_MODULES = frozenset({"lapack", "torch_kernel", "partitioned"})
+KERNEL_MODULES = frozenset({"kernels.lapack", "kernels.sequential", "kernels.partitioned"})
 _KERNEL_NAMES = frozenset(f"{PACKAGE}.{m}" for m in KERNEL_MODULES)
 # The modules whose bool- or str-returning functions count as predicates besides the routing layer.
 PREDICATE_EXTRA_MODULES = frozenset({"_compat"})
@@ -286,6 +287,7 @@ ENTRY_WRAPPERS = (
     ("C++ autograd op", ("compiled.autograd_op", "op tridiag_tutorial_cpp::solve_autograd")),
     ("eager Function (_PlainTridiagonalSolve)", ("ops._PlainTridiagonalSolve.forward",)),
     ("eager Function (_TridiagonalSolve)", ("functions._TridiagonalSolve.forward",)),
+    ("C++ fast path, Function (_CppSolve)", ("functions._CppSolve.forward",)),
 )
 # The C++ autograd op of the package before issue 24: its backward runs in C++, so Python sees
 # none of it; a scenario whose route holds it is run once more under the autograd profiler
@@ -294,19 +296,19 @@ CPP_AUTOGRAD_OPS = ("op tridiag_tutorial_cpp::solve_autograd",)
 # Kernel entry points (rule 3) and the ops that run a C++ kernel, as the labels of the kernel
 # component. A kernel-module entry point not listed here is its own label (so a new one shows).
 KERNEL_LABELS = {
-    "lapack.solve": "lapack solve",
-    "lapack.factor": "lapack factor+factored solve",
-    "lapack.factor_solve": "lapack factor+factored solve",
-    "compiled.solve": "cpp",
-    "compiled.solve_backward": "cpp",
+    "kernels.lapack.solve": "lapack solve",
+    "kernels.lapack.factor": "lapack factor+factored solve",
+    "kernels.lapack.factor_solve": "lapack factor+factored solve",
+    "kernels.compiled.solve": "cpp",
+    "kernels.compiled.solve_backward": "cpp",
     "op tridiag_tutorial::cpp_solve": "cpp",
     "op tridiag_tutorial::cpp_solve_backward": "cpp",
     "op tridiag_tutorial_cpp::solve": "cpp",
     "op tridiag_tutorial_cpp::solve_autograd": "cpp",  # its kernel is called inside C++
-    "torch_kernel.solve": "sequential solve",
-    "torch_kernel.factor": "sequential factor+factored solve",
-    "torch_kernel.lu_solve": "sequential factor+factored solve",
-    "partitioned.solve": "partitioned",
+    "kernels.sequential.solve": "sequential solve",
+    "kernels.sequential.factor": "sequential factor+factored solve",
+    "kernels.sequential.lu_solve": "sequential factor+factored solve",
+    "kernels.partitioned.solve": "partitioned",
 }
 
 
@@ -314,7 +316,7 @@ def kernel_label(name: str) -> str | None:
     """The kernel component's label of a recorded function, or None if it is not a kernel."""
     if name in KERNEL_LABELS:
         return KERNEL_LABELS[name]
-    if name.split(".", 1)[0] in KERNEL_MODULES:
+    if name.rsplit(".", 1)[0] in KERNEL_MODULES:
         return name
     return None
 
@@ -332,6 +334,8 @@ def backward_kind(context: str, callees: set) -> str:
     if "functions._apply" in callees or any(
             c.endswith(("TridiagonalSolve.forward", "TridiagonalSolve.apply")) for c in callees):
         return "differentiable"
+    if "kernels.compiled.solve_backward" in callees:
+        return "C++ fused"
     if "kernels.solve" in callees or any(kernel_label(c) for c in callees):
         return "direct torch"
     return f"other ({context})"
@@ -351,7 +355,9 @@ def coarse(calls, cpp_backward=()) -> tuple[str, str, str]:
     if not labels:
         entry = "meta/fake" if any(map(_is_fake, every)) else "none"
     elif entry is None:
-        entry = "direct kernel"
+        # driver=None's C++ fast path called the kernel itself (api._solve never ran)
+        entry = ("C++ fast path, direct" if "api._solve_on_cpp" in forward
+                 and "api._solve" not in forward else "direct kernel")
     by_context = {}
     for ctx, name in calls:
         if ctx.rsplit("#", 1)[0].endswith(".backward"):
@@ -572,24 +578,26 @@ FACTOR_MODES = {"factor+lu_solve": m_factor_solve,
                 "factor+lu_solve_backward": m_factor_solve_backward}
 MODES = {**SOLVE_MODES, **FACTOR_MODES, "meta": m_meta}
 
-# kernel -> sizes. The partitioned kernel is the automatic choice from n = 64 only.
-KERNEL_SIZES = {"lapack": (5, 100), "cpp": (5, 100), "sequential": (5, 100), "partitioned": (100,)}
+# kernel -> sizes. The partitioned kernel is the automatic choice from n = 64 only; "auto" is
+# driver=None on the CPU (the C++ kernel where it is built, by its fast path).
+KERNEL_SIZES = {"lapack": (5, 100), "cpp": (5, 100), "sequential": (5, 100), "partitioned": (100,),
+                "auto": (5, 100)}
 
 
 def scenarios():
-    """``[(name, kernel, n, mode)]``: every solve mode on every kernel and size; the factor modes
-    on the kernels that factor (LAPACK, sequential); meta tensors on the automatic choice and on
+    """``[(name, kernel, n, mode)]``: every solve mode on every kernel and size, and on the
+    automatic choice (``driver=None``) on the CPU; the factor modes on the kernels that factor
+    (LAPACK, sequential) and on the automatic choice; meta tensors on the automatic choice and on
     the torch-op kernels (LAPACK and C++ need CPU tensors)."""
     out = []
     for kernel, sizes in KERNEL_SIZES.items():
         for n in sizes:
             modes = list(SOLVE_MODES)
-            if kernel in ("lapack", "sequential"):
+            if kernel in ("lapack", "sequential", "auto"):
                 modes += list(FACTOR_MODES)
-            if kernel in ("sequential", "partitioned"):
+            if kernel in ("sequential", "partitioned", "auto"):
                 modes.append("meta")
             out += [(f"{kernel} n={n} {mode}", kernel, n, mode) for mode in modes]
-    out += [(f"auto n={n} meta", "auto", n, "meta") for n in (5, 100)]
     return out
 
 
