@@ -9,7 +9,7 @@ STAMP  := $(VENV)/.installed-stamp
 # The editable install builds the C++ kernel (setup.py: torch's CppExtension, stable ABI) against
 # the pinned torch; without build isolation, so that it builds against that torch. Where it
 # cannot build, the install goes on and the last line says so.
-$(STAMP): requirements-pinned.txt pyproject.toml setup.py tridiag_tutorial/csrc/tridiag.cpp
+$(STAMP): requirements-pinned.txt pyproject.toml setup.py $(wildcard tridiag_tutorial/csrc/*)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet -r requirements-pinned.txt
 	$(PY) -m pip install --quiet --no-deps --no-build-isolation -e .

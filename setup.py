@@ -1,7 +1,7 @@
-"""Build the package's C++ operators (tridiag_tutorial/csrc/tridiag.cpp) at install time, the way
-pytorch/extension-cpp ships its extension: torch's CppExtension and BuildExtension, the CPython
-limited API (one wheel for every CPython the package supports) and PyTorch's stable ABI (one build
-for torch 2.13 and later releases).
+"""Build the package's C++ operators (tridiag_tutorial/csrc/tridiag.cpp, which includes the headers
+beside it) at install time, the way pytorch/extension-cpp ships its extension: torch's CppExtension
+and BuildExtension, the CPython limited API (one wheel for every CPython the package supports) and
+PyTorch's stable ABI (one build for torch 2.13 and later releases).
 
 The metadata is in pyproject.toml. The extension is built against the torch that is installed:
 
@@ -40,7 +40,11 @@ from setuptools import setup
 from setuptools.command.build_py import build_py
 
 NAME = "tridiag_tutorial._C"
-SOURCES = ["tridiag_tutorial/csrc/tridiag.cpp"]
+SOURCES = ["tridiag_tutorial/csrc/tridiag.cpp"]  # one translation unit: it includes the headers
+# The kernel's parts, included by tridiag.cpp: a change to one builds the extension again.
+DEPENDS = sorted(f"tridiag_tutorial/csrc/{name}" for name in os.listdir(
+    os.path.join(os.path.dirname(os.path.abspath(__file__)), "tridiag_tutorial", "csrc"))
+    if name.endswith(".h"))
 INFO = "_build_info.json"
 NOTICE = ("tridiag_tutorial: the C++ kernel was not built ({why}); the package installs without "
           "it and solves on the CPU with LAPACK through SciPy.")
@@ -279,7 +283,7 @@ def _extension():
     # py_limited_api=True: torch's BuildExtension then adds -DPy_LIMITED_API itself (CPython 3.10's
     # limited API on torch 2.13), so the module is an abi3 one; the wheel is tagged for the
     # package's oldest Python.
-    ext = CppExtension(NAME, SOURCES, py_limited_api=True,
+    ext = CppExtension(NAME, SOURCES, depends=DEPENDS, py_limited_api=True,
                        extra_compile_args={"cxx": CXX_FLAGS}, extra_link_args=LINK_FLAGS)
     return [ext], {"build_ext": Build}, {"bdist_wheel": {"py_limited_api": "cp311"}}
 

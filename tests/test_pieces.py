@@ -1,4 +1,4 @@
-"""The C++ kernel's pieces solve for one large real system (csrc/tridiag.cpp,
+"""The C++ kernel's pieces solve for one large real system (csrc/pieces.h,
 ``solve_pieces``): ``cpp_solve``, and so ``driver=None``, from ``compiled.PIECES_MIN_N``
 unknowns; ``compiled.solve_ex`` from any size.
 

@@ -1,4 +1,4 @@
-"""The C++ kernel's thread budget (csrc/tridiag.cpp, ``claim_chunks``; ``compiled.thread_budget``).
+"""The C++ kernel's thread budget (csrc/threads.h, ``claim_chunks``; ``compiled.thread_budget``).
 
 The batch kernel's blocks and the pieces kernel's few large systems are claimed in chunks from a
 shared counter by the pool's threads, in one parallel region per solve. A region in which a

@@ -1,12 +1,12 @@
 """The C++ kernel, built when the package is installed: ``torch.ops.tridiag_tutorial.cpp_solve``.
 
-``pip install`` compiles ``tridiag_tutorial/csrc/tridiag.cpp`` into the extension module
-``tridiag_tutorial._C`` (``setup.py``: torch's ``CppExtension`` with the CPython limited API and
-PyTorch's stable ABI, the way pytorch/extension-cpp ships its operators). Importing this module
-imports ``_C``, whose library defines the schemas of the package's ops (chapter 12) and the CPU
-kernel of ``cpp_solve``; nothing is compiled at import. Where the install could not build it (no
-C++ compiler), :func:`is_available` is False, the package defines the same schemas in Python and
-every CPU solve runs on LAPACK.
+``pip install`` compiles ``tridiag_tutorial/csrc/tridiag.cpp``, with the headers beside it that
+it includes (the kernel's parts), into the extension module ``tridiag_tutorial._C`` (``setup.py``:
+torch's ``CppExtension`` with the CPython limited API and PyTorch's stable ABI, the way
+pytorch/extension-cpp ships its operators). Importing this module imports ``_C``, whose library
+defines the schemas of the package's ops (chapter 12) and the CPU kernel of ``cpp_solve``; nothing
+is compiled at import. Where the install could not build it (no C++ compiler), :func:`is_available`
+is False, the package defines the same schemas in Python and every CPU solve runs on LAPACK.
 
 The kernel performs exactly the operations of LAPACK's ``?gtsv`` (Gaussian elimination with
 partial pivoting, then back substitution) for float32, float64, complex64 and complex128, but on
@@ -57,7 +57,7 @@ __all__ = ["is_available", "library_path", "thread_budget", "ThreadBudget", "sol
            "BUILD_ERROR", "repair_command"]
 
 # One real system of this size or more goes to the pieces kernel (the C++ op cpp_solve uses the
-# same number: kPiecesMinN in tridiag.cpp). From 1024 its pieces have 128 rows or more (64 in single
+# same number: kPiecesMinN in csrc/pieces.h). From 1024 its pieces have 128 rows or more (64 in single
 # precision); the committed one-system rows show the pieces faster than the sequential
 # elimination from 4096, the smallest size they measure.
 PIECES_MIN_N = 1024
