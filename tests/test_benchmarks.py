@@ -146,7 +146,7 @@ def test_quick_jax_experiment_has_compiled_rows_next_to_eager(tmp_path):
 def test_jax_rows_compute_what_ours_compute(n, batch):
     """The timed JAX calls solve the same system, and differentiate the same loss w.r.t. all
     four inputs, as the rows of the final op they are compared with."""
-    args = benchmarks._problem(n, batch, torch.float64)
+    args = benchmarks.problem(n, batch, torch.float64)
     x = np.asarray(benchmarks._jax_callable(args, "forward")())[..., 0]
     assert np.allclose(x, tridiagonal_solve(*args).numpy(), rtol=1e-12, atol=1e-12)
     leaves = [a.detach().requires_grad_() for a in args]
@@ -165,7 +165,7 @@ def test_jax_cpu_calls_name_the_lapack_routine():
 def test_time_is_torch_utils_benchmark_at_the_current_thread_count():
     calls = []
     with torch.utils.benchmark.utils.common.set_torch_threads(1):
-        m = benchmarks._time(lambda: calls.append(1), min_time=0.001, repeats=3)
+        m = benchmarks.time_call(lambda: calls.append(1), min_time=0.001, repeats=3)
     assert m.task_spec.num_threads == 1 and len(m.times) >= 1
     # two warm-up calls, then blocked_autorange's calibration and its timed blocks
     assert len(calls) > 2 + m.number_per_run * len(m.times)
@@ -238,7 +238,7 @@ def test_final_op_rows_run_the_package_as_installed(kernel_calls, n, batch):
     """The rows of the final op run the kernel that driver=None chooses: with the C++ kernel
     built, a batch or one system of n <= 3000 runs on it, forward and backward; the LAPACK and
     C++ rows run their own kernel whatever the automatic choice."""
-    args = benchmarks._problem(n, batch, torch.float64)
+    args = benchmarks.problem(n, batch, torch.float64)
     installed = "cpp" if has_cpp() else "lapack"
     expected = {benchmarks.FINAL: installed, benchmarks.FINAL_LAPACK: "lapack"}
     if has_cpp():
@@ -281,7 +281,7 @@ def test_pure_torch_kernel_cases_run_no_lapack_or_cpp_forward_or_backward(monkey
     for name in ("solve", "factor", "factor_solve"):
         monkeypatch.setattr(lapack, name, refuse)
     monkeypatch.setattr(compiled, "solve", refuse)
-    args = benchmarks._problem(8, 4, torch.float64)
+    args = benchmarks.problem(8, 4, torch.float64)
     kernel = "pure-torch kernel"
     for mode in ("forward", "backward"):
         benchmarks._torch_callable(benchmarks.TORCH_IMPLS[kernel], args, mode)()
@@ -400,7 +400,7 @@ def test_large_kernel_rows_compute_the_gradients_of_the_final_op():
     gradients of all four inputs for a cotangent of ones."""
     require_cpp()
     n = benchmarks._kernel_min_n() + 500
-    args = benchmarks._problem(n, 0, torch.float64)
+    args = benchmarks.problem(n, 0, torch.float64)
     grads = benchmarks._large_kernel_callable(args, "backward")()
     leaves = [a.clone().requires_grad_() for a in args]
     expected = torch.autograd.grad(tridiagonal_solve(*leaves), leaves,
@@ -424,7 +424,7 @@ def test_one_system_families_are_what_they_say(dtype):
     made = {f: benchmarks.one_system_family(f, n, dtype) for f in benchmarks.FAMILIES}
     assert tuple(made) == ("dominant", "pivoting", "poisson", "heat_r1", "heat_r1e2",
                            "heat_r1e4", "scaled_rows", "nearly_singular_block", "near_toeplitz")
-    shapes = [tuple(t.shape) for t in benchmarks._problem(n, 0, dtype)]
+    shapes = [tuple(t.shape) for t in benchmarks.problem(n, 0, dtype)]
     for family, args in made.items():
         assert [tuple(t.shape) for t in args] == shapes, family
         assert all(t.dtype == dtype and torch.isfinite(t).all() for t in args), family
@@ -599,7 +599,7 @@ def test_pure_torch_kernel_cases_time_the_sequential_kernel(monkeypatch):
     from tridiag_tutorial.kernels import partitioned
 
     monkeypatch.setattr(partitioned, "solve", lambda *a: pytest.fail("the partitioned kernel ran"))
-    args = benchmarks._problem(kernels.PARTITIONED_MIN_N, 0, torch.float64)
+    args = benchmarks.problem(kernels.PARTITIONED_MIN_N, 0, torch.float64)
     kernel = "pure-torch kernel"
     for mode in ("forward", "backward"):
         benchmarks._torch_callable(benchmarks.TORCH_IMPLS[kernel], args, mode)()
@@ -657,7 +657,7 @@ def test_quick_cliffs_experiment(tmp_path):
 def test_cliffs_rows_run_the_kernel_they_name(kernel_calls):
     """The C++ kernel's cliff rows solve on it, LAPACK's on LAPACK."""
     found = benchmarks._cliff_kernels(print)
-    args = benchmarks._problem(8, 4, torch.float64)
+    args = benchmarks.problem(8, 4, torch.float64)
     for name, kernel in (("LAPACK", "lapack"), ("C++ kernel", "cpp")):
         if name not in found:
             continue
@@ -699,7 +699,7 @@ def dispatched(monkeypatch):
 
 
 def test_route_switches_change_the_route_and_restore_it(dispatched):
-    args = benchmarks._problem(8, 4, torch.float64)
+    args = benchmarks.problem(8, 4, torch.float64)
     plain = benchmarks.ROUTES[benchmarks.ROUTE_AS_INSTALLED][0]
     switch = {name: benchmarks.ROUTES[name][1] for name in (
         "without direct kernel calls", "Function.apply instead of _compat.function_apply",
@@ -751,7 +751,7 @@ def test_route_without_the_fused_backward_runs_the_band_products_in_torch_ops(mo
                         lambda *a: calls.append("fused") or real_fused(*a))
     switch = benchmarks.ROUTES["without the fused C++ backward"][1]
     for n in (8, benchmarks._kernel_min_n() + 5):
-        args = benchmarks._problem(n, 0, torch.float64)
+        args = benchmarks.problem(n, 0, torch.float64)
         leaves = [a.clone().requires_grad_() for a in args]
         expected = torch.autograd.grad(tridiagonal_solve(*leaves).sum(), leaves)
         assert calls == ["fused"]  # as installed: the fused op
@@ -853,9 +853,9 @@ def test_results_file_is_replaced_atomically(tmp_path, monkeypatch):
 
 @pytest.fixture
 def fast_timer(monkeypatch):
-    """``_time`` with a tiny budget, recording each call; ``interrupt_at``: the call (from 1)
+    """``time_call`` with a tiny budget, recording each call; ``interrupt_at``: the call (from 1)
     that raises KeyboardInterrupt instead; ``before``: called first, with the call's number."""
-    real = benchmarks._time
+    real = benchmarks.time_call
     state = dict(calls=[], interrupt_at=None, before=lambda count: None)
 
     def fast(fn, min_time, repeats, **labels):
@@ -865,7 +865,7 @@ def fast_timer(monkeypatch):
             raise KeyboardInterrupt
         return real(fn, 1e-4, 1, **labels)
 
-    monkeypatch.setattr(benchmarks, "_time", fast)
+    monkeypatch.setattr(benchmarks, "time_call", fast)
     return state
 
 

@@ -6,11 +6,13 @@ subtler breaks (the compiled support matrix in test_compositions.py)."""
 import torch
 from torch.func import grad, jvp, vmap
 
-from tridiag_tutorial import _compat
+from tridiag_tutorial import _compat, functions
 
 
 def test_private_names_exist():
     assert issubclass(_compat.SingleLevelFunction, torch._C._FunctionBase)
+    assert _compat.SingleLevelFunction is torch.autograd.function._SingleLevelFunction
+    assert issubclass(functions._CompiledSolve, torch.autograd.function._SingleLevelFunction)
     assert callable(_compat.enable_single_level_autograd_function)
     for name in ("peek_interpreter_stack", "is_functorch_wrapped_tensor", "is_batchedtensor",
                  "is_legacy_batchedtensor"):

@@ -121,7 +121,7 @@ def test_nearly_singular_block_is_refined_or_falls_back():
     solve; refinement (or the fallback to the sequential kernel) gives the accurate answer."""
     lower, diag, upper, rhs = singular_block_system()
     diag[1, 3] = 1e-13
-    unchecked = partitioned._solve(lower, diag, upper, rhs, partitioned.BLOCK)
+    unchecked = partitioned.solve_unchecked(lower, diag, upper, rhs, partitioned.BLOCK)
     assert backward_error(lower, diag, upper, rhs, unchecked)[1] > 1e3 * torch.finfo(torch.float64).eps
     x = partitioned.solve(lower, diag, upper, rhs)
     assert backward_error(lower, diag, upper, rhs, x).max() < 100 * torch.finfo(x.dtype).eps
@@ -188,7 +188,7 @@ def test_each_column_is_checked_on_its_own():
     rhs = torch.cat([tridiag_matmul(lower, diag, upper, big),
                      torch.randn(n, 1, generator=g, dtype=torch.float64)], dim=-1)
     expected = dense(lower, diag, upper, rhs)
-    unchecked = partitioned._solve(lower, diag, upper, rhs, partitioned.BLOCK)
+    unchecked = partitioned.solve_unchecked(lower, diag, upper, rhs, partitioned.BLOCK)
     premise = (unchecked[:, 1] - expected[:, 1]).abs().max() / expected[:, 1].abs().max()
     assert premise > 1e-6  # without the check, column 1 would be wrong
     x = partitioned.solve(lower, diag, upper, rhs)
@@ -204,7 +204,7 @@ def test_an_enormous_unchecked_answer_is_what_the_check_catches():
     found = False
     for i in range(2, n - 2):
         lower, diag, upper = half_row_singular(n, i, g)
-        x = partitioned._solve(lower, diag, upper, torch.ones(n, 1, dtype=torch.float64), 4)
+        x = partitioned.solve_unchecked(lower, diag, upper, torch.ones(n, 1, dtype=torch.float64), 4)
         found |= bool(torch.isfinite(x).all() and x.abs().max() > 1e14)
     assert found
 

@@ -196,10 +196,15 @@ def test_a_compile_error_is_named_and_objects_are_not_reused(source, tmp_path):
         with zipfile.ZipFile(built) as z:
             info = json.loads(z.read("tridiag_tutorial/_build_info.json"))
             info["libraries"] = [n for n in z.namelist() if n.endswith(".so")]
+            info["sources"] = sorted(n for n in z.namelist() if "/csrc/" in n)
         return info
 
     info = wheel()
     assert info["built"] is True and info["libraries"] == ["tridiag_tutorial/_C.abi3.so"]
+    # the C++ source travels with the wheel, every file of it (chapter 12 reads it)
+    assert info["sources"] == sorted(f"tridiag_tutorial/csrc/{f.name}"
+                                     for f in (src / "tridiag_tutorial" / "csrc").iterdir()
+                                     if f.suffix in (".cpp", ".h")), info["sources"]
     info = wheel({"CC": "/nonexistent/cc", "CXX": "/nonexistent/c++"})
     assert info["built"] is False and info["libraries"] == [] and info["cause"] == "no_compiler"
     keys = sorted(p.name for p in (src / "build").glob("temp.*/tridiag-*"))

@@ -4,6 +4,8 @@ The solver: :func:`tridiagonal_solve`, and :func:`tridiagonal_lu_factor` /
 :func:`tridiagonal_lu_solve` for a matrix used many times, with :class:`TridiagonalFactors` and
 :class:`SingularMatrixError`; :func:`cpp_available` says whether the install built the C++
 kernel; :func:`to_dense` and :func:`tridiag_matmul` turn bands into a matrix and multiply by one.
+``dense_solve`` (:mod:`tridiag_tutorial.reference`), the dense reference that the chapters and
+tests check against, is importable from here too, outside ``__all__``.
 
 The package, top down (the arrows point down only):
 
@@ -24,6 +26,7 @@ from .api import tridiagonal_lu_factor as tridiagonal_lu_factor
 from .api import tridiagonal_lu_solve as tridiagonal_lu_solve
 from .api import tridiagonal_solve as tridiagonal_solve
 from .kernels import cpp_available as cpp_available
+from .reference import dense_solve as dense_solve  # the dense reference of the chapters' checks
 from .reference import to_dense as to_dense
 from .rules import tridiag_matmul as tridiag_matmul
 

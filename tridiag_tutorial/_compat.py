@@ -83,6 +83,7 @@ def base_apply(cls):
     return _FUNCTION_BASE_APPLY.__get__(None, cls)
 
 
+# [book: function-apply]
 def function_apply(cls, *args):
     """``cls.apply(*args)`` for an ``autograd.Function`` with ``setup_context``, positional
     arguments only, without the :mod:`inspect` binding of the arguments to ``forward``'s

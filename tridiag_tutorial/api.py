@@ -1,18 +1,18 @@
-r"""The public op, :func:`tridiagonal_solve`: the result of the whole tutorial.
+r"""The public functions, :func:`tridiagonal_solve` and the LU pair: the result of the whole tutorial.
 
 Design (chapter 8 explains it; chapter 5 shows the traps it gets around)::
 
     tridiagonal_solve(lower, diag, upper, rhs, driver=None)
         |-- driver=None, CPU, no transform, mode or compilation, the automatic choice is the
-        |   C++ kernel: its op, directly (with a gradient, in _CppSolve); it checks the inputs,
-        |   and where it refuses them, the path below validates them and says why
+        |   C++ kernel: its op, directly (with a gradient, in functions._CppSolve); it checks
+        |   the inputs, and where it refuses them, the path below validates them and says why
         |   validate + broadcast (one place); the driver resolved (kernels.resolve_driver)
         |-- nothing observes the call (no grad, no transform, no mode): the kernel, directly
-        |-- eager:     _TridiagonalSolve            autograd.Function: backward, jvp, vmap
+        |-- eager:     functions._TridiagonalSolve  autograd.Function: backward, jvp, vmap
         |-- compiling: torch.ops.tridiag_tutorial.solve
         |                                           schema in C++ (csrc/tridiag.cpp); fake kernel,
         |                                           an Autograd kernel that works under
-        |                                           torch.func, and a vmap rule, from here
+        |                                           torch.func, and a vmap rule (registration)
         `-- all run the kernel that ``driver`` names (tridiag_tutorial.kernels): LAPACK, the C++
             kernel, or the sequential or partitioned kernel in torch ops
 
@@ -34,9 +34,12 @@ rules of :mod:`tridiag_tutorial.rules`.
 
 The ops' schemas are defined in C++, in the extension built at install (``TORCH_LIBRARY``), so
 that a compiled or exported graph that holds them loads in a process that has only that library
-(chapter 12); this module registers their fake kernels, the Autograd kernel, the vmap rules and
-the kernels of each device, as pytorch/extension-cpp's ``ops.py`` does. Where the extension was
-not built, this module defines the same schemas (``SCHEMAS``) itself.
+(chapter 12); :mod:`tridiag_tutorial.registration` registers their fake kernels, the Autograd
+kernel, the vmap rules and the kernels of each device, as pytorch/extension-cpp's ``ops.py``
+does. Where the extension was not built, :mod:`tridiag_tutorial._schemas` defines the same
+schemas itself. The two shortcuts (the C++ fast path, the direct kernel call) and two others
+inside the Functions each have a switch (:mod:`tridiag_tutorial._routes`), which the benchmark
+harness turns off to measure what each one buys.
 
 What does not compose, and raises instead of answering wrongly (chapter 8's support table):
 
@@ -96,6 +99,7 @@ _kernel = kernels.solve
 _factor_kernel = kernels.factor
 
 
+# [book: solve-routing]
 def _solve(lower, diag, upper, rhs, lu, pivots, trans: str, driver: str) -> torch.Tensor:
     """Route one validated solve: compiled op, direct kernel or the eager Function."""
     args = (lower, diag, upper, rhs, lu, pivots)

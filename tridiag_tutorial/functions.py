@@ -141,6 +141,7 @@ def _jvp(solve, ctx, tangents):
                            lower, diag, upper, x, *tangents)
 
 
+# [book: eager-function]
 class _TridiagonalSolve(torch.autograd.Function):
     """``x = solve(lower, diag, upper, rhs, lu, pivots, trans, driver)`` (see
     :func:`tridiag_tutorial.kernels.solve`). ``driver`` names the kernel; the backward and
@@ -183,6 +184,7 @@ class _TridiagonalSolve(torch.autograd.Function):
         return _batch_rule(solve, info, in_dims[:6], lower, diag, upper, rhs, lu, pivots)
 
 
+# [book: apply]
 def _apply(*args):
     """``_TridiagonalSolve.apply(*args)``. Without a ``torch.func`` transform, through
     :func:`_compat.function_apply`, which skips the :mod:`inspect` binding of the arguments that
@@ -230,6 +232,7 @@ def _with_primal_layout(dx: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     return dx.contiguous()  # the copy that torch would make, here without storage_offset()
 
 
+# [book: compiled-function]
 class _CompiledSolve(_compat.SingleLevelFunction):
     """The Autograd kernel of ``tridiag_tutorial::solve``: one autograd node at the current level."""
 

@@ -19,7 +19,6 @@ from __future__ import annotations
 import torch
 
 from . import _compat, kernels
-from ._schemas import _LIB
 from ._schemas import lu_factor_op as _factor_op
 from ._schemas import solve_kernel_op as _kernel_op
 from ._schemas import solve_op as _compiled_op
@@ -30,11 +29,17 @@ from .kernels import compiled
 _kernel = kernels.solve
 _factor_kernel = kernels.factor
 
+# The library fragment that holds this module's registrations (_schemas has its own, which defines
+# the schemas where the extension was not built).
+_LIB = torch.library.Library("tridiag_tutorial", "FRAGMENT")
+
+# [book: dispatch-keys]
 # The dispatch keys of the Python kernels. With the extension, its CompositeExplicitAutograd
 # kernel (what a process without Python runs) stays for every other key, and a kernel registered
 # for a backend key takes precedence over it; without the extension, ours is the composite one.
 _KERNEL_KEYS = (("CPU", "CUDA", "MPS", "XPU") if compiled.is_available()
                 else ("CompositeExplicitAutograd",))
+# [/book: dispatch-keys]
 
 
 def _check_op_driver(driver, lu, device, name: str) -> None:
@@ -148,6 +153,7 @@ _NESTED_UNDER_COMPILE = (
     "level of grad, vjp, jacrev, jvp or jacfwd (optionally under vmap) works.")
 
 
+# [book: autograd-kernel]
 def _solve_autograd(lower, diag, upper, rhs, lu, pivots, trans, driver):
     if _compat.differentiation_depth() > 1:
         raise NotImplementedError(_NESTED_UNDER_COMPILE)
@@ -158,6 +164,7 @@ def _solve_autograd(lower, diag, upper, rhs, lu, pivots, trans, driver):
 # --------------------------------------------------------------------------------------------
 # The registrations.
 # --------------------------------------------------------------------------------------------
+# [book: registrations]
 for _key in _KERNEL_KEYS:
     _LIB.impl("solve_kernel", _solve_kernel, _key)
     _LIB.impl("solve", _solve_kernel, _key)
@@ -175,3 +182,4 @@ torch.library.register_vmap("tridiag_tutorial::solve_kernel", _vmap_with_kernel(
                             lib=_LIB)
 torch.library.register_vmap("tridiag_tutorial::solve", _vmap_with_kernel(_compiled_op), lib=_LIB)
 torch.library.register_vmap("tridiag_tutorial::lu_factor", _factor_vmap, lib=_LIB)
+# [/book: registrations]

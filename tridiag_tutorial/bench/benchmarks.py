@@ -107,7 +107,7 @@ from ..book.custom_op import tridiagonal_solve_custom_op
 from ..kernels import compiled
 from ..reference import dense_solve
 
-__all__ = ["run", "run_time_stepping", "run_compiled_kernel", "run_torch_kernels",
+__all__ = ["problem", "time_call", "run", "run_time_stepping", "run_compiled_kernel", "run_torch_kernels",
            "run_against_jax", "run_one_system", "run_routes", "run_cliffs", "CountOperations", "evaluate_targets",
            "one_system_family", "busy_core", "with_family_defaults", "FAMILIES", "main"]
 
@@ -141,7 +141,8 @@ def _timer(fn, **labels) -> benchmark.Timer:
                            **labels)
 
 
-def _time(fn, min_time: float, repeats: int, **labels) -> benchmark.Measurement:
+# [book: time-call]
+def time_call(fn, min_time: float, repeats: int, **labels) -> benchmark.Measurement:
     """Time ``fn()`` with ``Timer.blocked_autorange`` for ``min_time * repeats`` seconds.
 
     Two untimed calls first (the first call of a compiled function compiles, which would
@@ -217,7 +218,7 @@ def _each_thread_count(threads):
         torch.set_num_threads(default)
 
 
-def _problem(n: int, batch: int, dtype: torch.dtype, seed: int = 0, k: int | None = None):
+def problem(n: int, batch: int, dtype: torch.dtype, seed: int = 0, k: int | None = None):
     """A random, diagonally dominant system; ``k`` right-hand sides ``(.., n, k)`` if given."""
     g = torch.Generator().manual_seed(seed)
     shape = (batch,) if batch else ()
@@ -446,7 +447,7 @@ def run(sizes=SINGLE_SIZES, batches=BATCHES, dtypes=(torch.float32, torch.float6
                                           actual_threads)):
                         continue
                     if args is None:
-                        args = _problem(n, batch, dtype)
+                        args = problem(n, batch, dtype)
                     if impl == "dgtsv (raw LAPACK)":
                         fn = _raw_gtsv(args)
                     elif impl == "scipy solve_banded":
@@ -465,7 +466,7 @@ def run(sizes=SINGLE_SIZES, batches=BATCHES, dtypes=(torch.float32, torch.float6
                     where = (f"  {dname:7s} thr={actual_threads:<2d} {_shape(n, batch):>10s} "
                              f"{mode:8s} {label:36s}")
                     try:
-                        m = _time(fn, min_time, repeats,
+                        m = time_call(fn, min_time, repeats,
                                   label=f"{mode}, {dname}, {actual_threads} thread(s)",
                                   sub_label=f"n={n}" + (f" x {batch}" if batch else ""),
                                   description=label)
@@ -506,7 +507,7 @@ def _stepper(n: int, batch: int, dtype, steps: int, factor_once: bool, mode: str
     """One simulation of ``steps`` implicit steps; the bands and the initial state require grad
     in ``backward`` mode, whose loss is the sum of the last state. ``kernel`` is a key of
     :data:`STEP_DRIVERS`."""
-    lower, diag, upper, u0 = _problem(n, batch, dtype, k=k)
+    lower, diag, upper, u0 = problem(n, batch, dtype, k=k)
     driver = STEP_DRIVERS[kernel]
     args = [t.detach().requires_grad_(mode == "backward") for t in (lower, diag, upper, u0)]
 
@@ -596,7 +597,7 @@ def run_compiled_kernel(cases=COMPILED_CASES, threads=(1, None), min_time=0.2, r
         for n, batch in cases:
             if recorder.done(dict(threads=actual, n=n, batch=batch)):
                 continue
-            args = _problem(n, batch, torch.float64)
+            args = problem(n, batch, torch.float64)
             matrix = [*args[:3], args[3].unsqueeze(-1)]
             arrays = [a.numpy() for a in matrix]
             fns = {"compiled kernel": lambda: op(*matrix),
@@ -665,7 +666,7 @@ def run_torch_kernels(cases=TORCH_KERNEL_CASES, threads=(1, None), min_time=0.2,
         for n, batch in cases:
             if recorder.done(dict(threads=actual, n=n, batch=batch)):
                 continue
-            args = _problem(n, batch, torch.float64)
+            args = problem(n, batch, torch.float64)
             matrix = [*args[:3], args[3].unsqueeze(-1)]
             fns = {"partitioned torch kernel": lambda: partitioned.solve(*matrix),
                    "dgtsv (raw LAPACK)": _raw_gtsv(args)}
@@ -695,7 +696,7 @@ CLIFF_CASES = [(100000, 8), (1024, 256)]  # (batch, n): the issue's batch, and o
 def _cliff_problems(batch: int, n: int):
     """The clean float64 problem and two copies with one bad system in the middle: a NaN on the
     diagonal, and finite inputs whose solution overflows (``A = 1e-300 I``, ``b = 1e300``)."""
-    lower, diag, upper, rhs = _problem(n, batch, torch.float64)
+    lower, diag, upper, rhs = problem(n, batch, torch.float64)
     mid = batch // 2
     nan = [t.clone() for t in (lower, diag, upper, rhs)]
     nan[1][mid, n // 2] = float("nan")
@@ -803,11 +804,11 @@ THREAD_BUDGET_FAMILIES = ("dominant", "poisson")  # the pieces kernel's: solved,
 
 def _thread_budget_problem(batch: int, n: int, family: str, dtype: torch.dtype):
     """``batch`` systems of ``family``: each system :func:`one_system_family` (seeds 0, 1, ...)
-    where the batch is small, else the suite's dominant problem (:func:`_problem`)."""
+    where the batch is small, else the suite's dominant problem (:func:`problem`)."""
     if batch <= 16:
         systems = [one_system_family(family, n, dtype, seed=s) for s in range(batch)]
         return [torch.stack(parts) for parts in zip(*systems)]
-    return list(_problem(n, batch, dtype))
+    return list(problem(n, batch, dtype))
 
 
 def run_thread_budget(cases=THREAD_BUDGET_CASES, dtypes=(torch.float32, torch.float64),
@@ -1119,7 +1120,7 @@ def run_against_jax(cases=AGAINST_JAX_CASES, dtypes=(torch.float32, torch.float6
 
     One system (``batch`` 0) is each of ``families`` (:func:`one_system_family`); forward + backward
     only for ``backward_families`` (``None``: all), the others forward only. A batch is the
-    suite's random diagonally dominant problem (:func:`_problem`: ``N(0, 1) + 4`` on the diagonal),
+    suite's random diagonally dominant problem (:func:`problem`: ``N(0, 1) + 4`` on the diagonal),
     labelled ``dominant``, both modes, and is measured in the quiet condition only.
 
     Each of ``threads`` (``None``: every core this process may use) runs in a process of its own
@@ -1250,7 +1251,7 @@ def _against_jax_here(cases, dtypes, threads, cores, min_time, repeats, compiled
                 continue
             if (n, batch, family) not in problems:
                 problems.clear()  # one problem at a time: 1e6 unknowns are 32 MB in float64
-                problems[n, batch, family] = (_problem(n, batch, dtype) if batch else
+                problems[n, batch, family] = (problem(n, batch, dtype) if batch else
                                               one_system_family(family, n, dtype))
             args = problems[n, batch, family]
             fns = {FINAL: _torch_callable(tridiagonal_solve, args, mode),
@@ -1297,7 +1298,7 @@ def _check_families(families):
 def one_system_family(family: str, n: int, dtype: torch.dtype = torch.float64, seed: int = 0):
     """``(lower, diag, upper, rhs)``: one system of ``n`` unknowns of ``family`` (one of
     ``FAMILIES``), torch tensors of ``dtype`` (float32 or float64), ``rhs`` of shape ``(n,)`` as
-    :func:`_problem`'s single system. All made in NumPy float64 and then cast; ``rhs`` is
+    :func:`problem`'s single system. All made in NumPy float64 and then cast; ``rhs`` is
     standard normal from ``numpy.random.default_rng(seed)`` (for the families of
     :mod:`tridiag_tutorial.bench.accuracy`, its right-hand side, drawn so).
 
@@ -1676,7 +1677,7 @@ def format_against_jax(rows) -> str:
 # Route justification (issue 24): every route of the final op that is not the simplest one
 # stays only while a committed row shows that it pays, >= 1.25x over the route it replaces, in a
 # case a user meets. Float64, one thread, timed in alternation with the op as installed.
-ROUTE_CASES = [(100, 0), (1000, 0), (256, 1024)]  # (n, batch)
+ROUTE_CASES = [(100, 0), (1000, 0), (8, 1024), (10000, 0), (256, 1024)]  # (n, batch)
 ROUTE_AS_INSTALLED = "as installed"
 
 
@@ -1758,7 +1759,7 @@ def run_routes(cases=ROUTE_CASES, threads=(1,), modes=("forward", "backward"), m
     rows = []
     for actual in _each_thread_count(threads):
         for n, batch in cases:
-            args = _problem(n, batch, torch.float64)
+            args = problem(n, batch, torch.float64)
             for mode in modes:
                 if recorder.done(dict(threads=actual, n=n, batch=batch, mode=mode)):
                     continue

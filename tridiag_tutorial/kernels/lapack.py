@@ -33,7 +33,7 @@ import numpy as np
 
 from .._validation import SingularMatrixError
 
-__all__ = ["LUFactors", "gtsv", "gttrf", "gttrs", "solve", "factor", "factor_solve"]
+__all__ = ["LUFactors", "gtsv", "gttrf", "gttrs", "join", "solve", "factor", "factor_solve"]
 
 
 def get_lapack_funcs(names, arrays):
@@ -129,7 +129,7 @@ def gttrs(factors: LUFactors, rhs: np.ndarray, trans: str = "N") -> np.ndarray:
 
 
 def _batch_error(err: SingularMatrixError, n: int, batch, first: int = 0) -> SingularMatrixError:
-    """Turn a zero pivot of a joined system (see :func:`_join`) into its batch element's own.
+    """Turn a zero pivot of a joined system (see :func:`join`) into its batch element's own.
 
     ``first`` is the flat batch index of the joined system's first block; the pivot of the joined
     system is ``element * n + pivot``."""
@@ -137,7 +137,7 @@ def _batch_error(err: SingularMatrixError, n: int, batch, first: int = 0) -> Sin
     return SingularMatrixError.at(pivot, first + element, batch)
 
 
-def _join(lower, diag, upper, rhs=None):
+def join(lower, diag, upper, rhs=None):
     """Join a batch of ``n x n`` systems into one block-diagonal system of ``size * n`` rows.
 
     The couplings between consecutive blocks are exact zeros, so partial pivoting never swaps
@@ -311,7 +311,7 @@ def _bisect(solve_range, out: np.ndarray, c: int, e: int, x=None) -> None:
 # --- The batched routines -------------------------------------------------------------------------
 
 def solve(lower: np.ndarray, diag: np.ndarray, upper: np.ndarray, rhs: np.ndarray) -> np.ndarray:
-    """Solve a batch of systems with ``?gtsv`` calls on joined systems (:func:`_join`).
+    """Solve a batch of systems with ``?gtsv`` calls on joined systems (:func:`join`).
 
     Shapes: ``lower``, ``upper`` ``(*batch, n-1)``, ``diag`` ``(*batch, n)``, ``rhs``
     ``(*batch, n, k)``, all with the same ``batch`` (broadcast beforehand). Returns a new
@@ -337,7 +337,7 @@ def solve(lower: np.ndarray, diag: np.ndarray, upper: np.ndarray, rhs: np.ndarra
     parts = []
     for start, stop in _chunk_bounds(size, n):
         chunk = [a[start:stop] for a in flat]
-        dl, d, du, b = _join(*chunk)
+        dl, d, du, b = join(*chunk)
 
         def solve_range(c, e, dl=dl, d=d, du=du, b=b, start=start):
             try:
@@ -384,7 +384,7 @@ def factor(lower: np.ndarray, diag: np.ndarray, upper: np.ndarray):
     raises :class:`torch.linalg.LinAlgError` naming the pivot and the batch element (the first
     singular system in batch order).
 
-    The batch is factored in joined calls (:func:`_join`) of at most :data:`_CHUNK_ROWS` rows. A
+    The batch is factored in joined calls (:func:`join`) of at most :data:`_CHUNK_ROWS` rows. A
     block whose last pivot is NaN is interchanged with the next block's first row (``|NaN| >= 0``
     is false), which corrupts both blocks and, through the NaN, every later one, and can report a
     zero pivot that the block alone does not have. So the joined factors are kept up to the first
@@ -413,7 +413,7 @@ def factor(lower: np.ndarray, diag: np.ndarray, upper: np.ndarray):
 def _factor_chunk(chunk, lu: np.ndarray, pivots: np.ndarray, first: int, batch) -> None:
     """:func:`factor` of the systems ``chunk`` (bands ``(count, .)``) into ``lu`` and ``pivots``."""
     count, n = chunk[1].shape
-    dl, d, du, _ = _join(*chunk)
+    dl, d, du, _ = join(*chunk)
 
     def factor_range(c, e):
         """Factor systems ``c`` to ``e - 1`` joined; store those that got their own factors (all

@@ -82,6 +82,7 @@ import torch.nn.functional as F
 from . import sequential
 
 __all__ = ["BLOCK", "REFINEMENT_STEPS", "CONVERGENCE_TOL", "SINGULAR_MARGIN", "GROWTH_TOL", "solve",
+           "solve_unchecked",
            "levels"]
 
 # Rows per block. Of 4, 8, 16 and 32, blocks of 4 dispatched the fewest operations (1,020,
@@ -263,7 +264,7 @@ def _growth(levels_: list) -> torch.Tensor:
     return growth
 
 
-def _solve(lower, diag, upper, rhs, m):
+def solve_unchecked(lower, diag, upper, rhs, m=BLOCK):
     """The partitioned solve alone: no refinement, no check, no fallback."""
     return _factor_solve(lower, diag, upper, rhs, m)[0].contiguous()
 

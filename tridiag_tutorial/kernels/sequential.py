@@ -29,11 +29,13 @@ from .._validation import SingularMatrixError
 __all__ = ["factor", "factor_unchecked", "lu_solve", "solve"]
 
 
+# [book: magnitude]
 def _magnitude(t: torch.Tensor) -> torch.Tensor:
     """LAPACK's pivoting magnitude: ``|t|`` for real, ``|re| + |im|`` (``CABS1``) for complex."""
     return t.real.abs() + t.imag.abs() if t.is_complex() else t.abs()
 
 
+# [book: divide]
 def _divide(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """``a / b``; for complex numbers by Smith's algorithm, as Fortran (and so LAPACK) divides:
     exact when ``b`` is real, where torch's own complex division is not always (``0.5 d / d`` can
