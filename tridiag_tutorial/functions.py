@@ -45,8 +45,8 @@ def _direct(*tensors) -> bool:
     """True when the kernels may be called on these tensors directly, skipping the dispatcher:
     no ``torch.func`` transform is active, no dispatch or function mode is installed, and they
     are plain tensors with data (no subclass, no FakeTensor or meta tensor, no functorch wrapper).
-    Dispatching a custom op costs tens of microseconds in Python, more than LAPACK needs for
-    n = 100. ``None`` entries (absent factors) are skipped."""
+    Dispatching a custom op from Python costs more than LAPACK needs for a small system (chapter
+    11 measures both). ``None`` entries (absent factors) are skipped."""
     if not _routes.ON.direct_kernel or torch.compiler.is_compiling():  # Dynamo traces the ops
         return False
     if _compat.mode_active() or _compat.transform_active():

@@ -1743,7 +1743,7 @@ def run_routes(cases=ROUTE_CASES, threads=(1,), modes=("forward", "backward"), m
                repeats=21, log=print, recorder=None):
     """Time the final op as installed against the same op with one route removed, and against
     the simpler functions it replaces, float64, timed in alternation (:func:`_time_interleaved`;
-    a route's monkeypatch is in force only while its own calls run).
+    a route's switch in :mod:`tridiag_tutorial._routes` is off only while its own calls run).
 
     Routes (``ROUTES``): ``"as installed"`` (``driver=None``); the same op with one of its
     routes switched off (the C++ fast path, direct kernel calls, ``_compat.function_apply``);

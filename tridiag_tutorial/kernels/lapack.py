@@ -38,7 +38,7 @@ __all__ = ["LUFactors", "gtsv", "gttrf", "gttrs", "join", "solve", "factor", "fa
 
 def get_lapack_funcs(names, arrays):
     """``scipy.linalg.get_lapack_funcs``, imported on first use: importing SciPy's linear algebra
-    takes about 0.2 s, which ``import tridiag_tutorial`` should not pay before a solve needs it."""
+    is a cost that ``import tridiag_tutorial`` should not pay before a solve needs it."""
     from scipy.linalg import get_lapack_funcs as funcs  # after the first call, a dict lookup
 
     return funcs(names, arrays)
