@@ -12,11 +12,11 @@
 //   tridiag_tutorial::cpp_solve_backward(lower, diag, upper, x, grad_x)
 //       -> (grad_lower, grad_diag, grad_upper, grad_rhs, info)
 //
-// The Python package (tridiag_tutorial/ops.py) registers their fake kernels, the Autograd kernel
-// of solve, the vmap rules and the kernels of each device (LAPACK through SciPy, this library's
-// kernel, kernels in torch ops), as pytorch/extension-cpp's ops.py does. What this file
-// registers runs without Python: cpp_solve's CPU kernel, and a CompositeExplicitAutograd kernel
-// for solve and solve_kernel, which is what a process that loads only this library (with
+// The Python package (tridiag_tutorial/registration.py) registers their fake kernels, the
+// Autograd kernel of solve, the vmap rules and the kernels of each device (LAPACK through SciPy,
+// this library's kernel, kernels in torch ops), as pytorch/extension-cpp's ops.py does. What this
+// file registers runs without Python: cpp_solve's CPU kernel, and a CompositeExplicitAutograd
+// kernel for solve and solve_kernel, which is what a process that loads only this library (with
 // torch.ops.load_library, an AOTInductor package say) runs. There every solve without factors
 // runs on this library's kernel, which raises for the systems ?gtsv reports singular, at its pivot
 // (a NaN stays in its own system); a solve from factors (lu given) and lu_factor
@@ -247,8 +247,9 @@ std::tuple<Tensor, Tensor> lu_factor_without_python(const Tensor& lower, const T
 
 }  // namespace
 
-// The schemas: one place, here. tridiag_tutorial/ops.py defines the same ones (SCHEMAS) when this
-// library is absent (no compiler at install), and tests/test_install.py checks they agree.
+// The schemas: one place, here. tridiag_tutorial/_schemas.py defines the same ones (SCHEMAS)
+// when this library is absent (no compiler at install), and tests/test_install.py checks they
+// agree.
 STABLE_TORCH_LIBRARY(tridiag_tutorial, m) {
   m.def("solve(Tensor lower, Tensor diag, Tensor upper, Tensor rhs, Tensor? lu, Tensor? pivots, "
         "str trans, str driver) -> Tensor");
