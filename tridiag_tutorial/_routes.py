@@ -11,14 +11,13 @@ row (``python -m tridiag_tutorial.bench.benchmarks --routes-only``) shows that i
   (:func:`tridiag_tutorial.api._solve_on_cpp`; with a gradient,
   :class:`~tridiag_tutorial.functions._CppSolve`);
 - ``fused_backward``: that route's backward as one C++ call, ``cpp_solve_backward`` (the solve
-  with ``A^H`` and the band gradients), where the system is large enough for it to pay
-  (:func:`tridiag_tutorial.functions.fused_backward_pays`); off, a solve on the C++ kernel and
-  the band products in torch ops;
+  with ``A^H`` and the band gradients); off, a solve on the C++ kernel and the band products in
+  torch ops (:func:`~tridiag_tutorial.functions._unfused_backward`);
 - ``direct_kernel``: the kernel called without the dispatcher when no gradient, transform or mode
   can see the call (:func:`tridiag_tutorial.functions._unobserved`,
   :func:`~tridiag_tutorial.functions._direct`);
 - ``function_apply``: ``_compat.function_apply`` in place of ``Function.apply``, which binds the
-  arguments with :mod:`inspect` on every call.
+  arguments with ``inspect`` on every call.
 
 The benchmark harness and the tests turn routes off with :func:`disabled`; nothing else changes
 them. The switches are plain module state, read on every call: not for use from several threads

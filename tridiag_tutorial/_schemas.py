@@ -2,7 +2,7 @@
 
 The C++ extension built at install defines them (``TORCH_LIBRARY`` in ``csrc/``), so that a
 compiled or exported graph that holds them loads in a process with only that library (chapter 12).
-Where the extension was not built, this module defines the same schemas, :data:`SCHEMAS`. The
+Where the extension was not built, this module defines the same schemas, ``SCHEMAS``. The
 kernels, fake kernels, autograd and vmap rules are registered in
 :mod:`tridiag_tutorial.registration`.
 """

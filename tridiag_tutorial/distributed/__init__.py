@@ -1,8 +1,8 @@
 """The solve past one machine (chapter 14).
 
 - :mod:`tridiag_tutorial.distributed.solve`: one system split by rows across the ranks of a
-  process group, solved in pieces with a reduced system on every rank (:func:`split_solve`), or
-  gathered to one rank (:func:`gather_solve`);
+  process group, solved in pieces with a reduced system on every rank (:func:`~tridiag_tutorial.distributed.solve.split_solve`),
+  or gathered to one rank (:func:`~tridiag_tutorial.distributed.solve.gather_solve`);
 - :mod:`tridiag_tutorial.distributed.sharding`: DTensor's sharding rules for the package's ops.
   The public functions import it the first time a DTensor reaches them.
 

@@ -82,8 +82,7 @@ import torch.nn.functional as F
 from . import sequential
 
 __all__ = ["BLOCK", "REFINEMENT_STEPS", "CONVERGENCE_TOL", "SINGULAR_MARGIN", "GROWTH_TOL", "solve",
-           "solve_unchecked",
-           "levels"]
+           "solve_ex", "solve_unchecked", "levels"]
 
 # Rows per block. Of 4, 8, 16 and 32, blocks of 4 dispatched the fewest operations (1,020,
 # 1,260, 1,519 and 2,462 for n = 1000; 1,558 to 3,906 for n = 1e5, before refinement was added)
