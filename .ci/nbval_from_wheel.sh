@@ -35,7 +35,7 @@ print(f"tridiag_tutorial {tridiag_tutorial.__version__} from the wheel: {where.p
 import shutil
 # The chapters print what the C++ kernel does: where a compiler exists, the wheel must hold it.
 if shutil.which("c++") and not tridiag_tutorial.cpp_available():
-    from tridiag_tutorial import compiled
+    from tridiag_tutorial.kernels import compiled
     sys.exit(f"the wheel was built without its C++ kernel although c++ is here: {compiled.BUILD_ERROR}")
 print("C++ kernel:", "in the wheel" if tridiag_tutorial.cpp_available() else "not built")
 PY

@@ -28,7 +28,7 @@ for version in "${versions[@]}"; do
     cd "$work"
     "$py" - "$version" <<'PY'
 import sys, torch, tridiag_tutorial
-from tridiag_tutorial import compiled
+from tridiag_tutorial.kernels import compiled
 where = tridiag_tutorial.__file__
 assert "site-packages" in where, where
 assert torch.__version__.split("+")[0] == sys.argv[1], torch.__version__
