@@ -75,6 +75,7 @@
 #include "band_products.h"
 
 extern "C" {
+// [book: python-module]
 // An empty module tridiag_tutorial._C: importing it loads this library, whose static
 // initialisers register the ops below (pytorch/extension-cpp's way). Py_LIMITED_API (CPython 3.10's
 // limited API, set by torch's BuildExtension): one build serves every CPython from 3.10 on.
@@ -89,6 +90,7 @@ PyMODINIT_FUNC PyInit__C(void) {
   static struct PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "_C", nullptr, -1, methods};
   return PyModule_Create(&module_def);
 }
+// [/book: python-module]
 }
 
 extern "C" PyObject* thread_budget(PyObject*, PyObject*) {
@@ -250,6 +252,7 @@ std::tuple<Tensor, Tensor> lu_factor_without_python(const Tensor& lower, const T
 // The schemas: one place, here. tridiag_tutorial/_schemas.py defines the same ones (SCHEMAS)
 // when this library is absent (no compiler at install), and tests/test_install.py checks they
 // agree.
+// [book: cpp-registration]
 STABLE_TORCH_LIBRARY(tridiag_tutorial, m) {
   m.def("solve(Tensor lower, Tensor diag, Tensor upper, Tensor rhs, Tensor? lu, Tensor? pivots, "
         "str trans, str driver) -> Tensor");
@@ -274,3 +277,4 @@ STABLE_TORCH_LIBRARY_IMPL(tridiag_tutorial, CompositeExplicitAutograd, m) {
   m.impl("solve_kernel", TORCH_BOX(&solve_without_python));
   m.impl("lu_factor", TORCH_BOX(&lu_factor_without_python));
 }
+// [/book: cpp-registration]

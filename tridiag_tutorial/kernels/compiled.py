@@ -80,6 +80,7 @@ def _build_report() -> dict:
 
 
 _REPORT: dict = {}
+# [book: load]
 if os.environ.get(DISABLE_ENV) == "1":
     _C = None
     BUILD_ERROR: str | None = f"switched off with {DISABLE_ENV}=1"
@@ -100,6 +101,7 @@ else:
         DISABLED = _REPORT.get("cause") == "switched_off"
     else:
         BUILD_ERROR = None
+# [/book: load]
 
 
 def _installed_from() -> tuple[str, bool]:
