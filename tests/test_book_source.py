@@ -59,7 +59,7 @@ def test_a_tag_marked_twice_is_refused(tmp_path, monkeypatch):
 
 # A name with a leading underscore reached through one of the package's modules, or a private
 # module of the package imported by a chapter. The extension module tridiag_tutorial._C is the
-# compiled library's name, which chapter 12 reads as a file, not a Python name it calls.
+# compiled library's name, which chapter 14 reads as a file, not a Python name it calls.
 PRIVATE = re.compile(r"\b(?:tridiag_tutorial|tt|api|functions|registration|kernels|lapack|compiled|"
                      r"partitioned|sequential|internals|distributed|solve|sharding|benchmarks|"
                      r"accuracy)\.(_(?!C\b|_)\w+)"

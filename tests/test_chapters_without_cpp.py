@@ -21,21 +21,21 @@ nbclient = pytest.importorskip("nbclient", reason="executing the chapters needs 
 pytest.importorskip("ipykernel", reason="executing the chapters needs an IPython kernel (ipykernel)")
 
 NOTEBOOKS = Path(__file__).resolve().parents[1] / "notebooks"
-# The chapters that call the C++ kernel somewhere; chapters 3 and 11, whose timings run on
-# whichever kernel the automatic choice picks; and chapter 14, whose FSDP2 training runs on LAPACK
+# The chapters that call the C++ kernel somewhere; chapters 3 and 12, whose timings run on
+# whichever kernel the automatic choice picks; and chapter 17, whose FSDP2 training runs on LAPACK
 # without the kernel. Each must run to the end without it.
 CHAPTERS = [
     "03_adjoint.ipynb",
     "07_torch_func.ipynb",
-    "08_final_op.ipynb",
+    "13_production_op.ipynb",
     "09_application.ipynb",
-    "11_performance.ipynb",
-    "12_cpp_operator.ipynb",
-    "14_distributed.ipynb",
-    "15_other_devices.ipynb",
+    "12_performance.ipynb",
+    "14_cpp_operator.ipynb",
+    "17_distributed.ipynb",
+    "16_other_devices.ipynb",
 ]
 # no cell needs the kernel: no "skipped:" line to expect
-NO_GUARD = {"03_adjoint.ipynb", "11_performance.ipynb", "14_distributed.ipynb"}
+NO_GUARD = {"03_adjoint.ipynb", "12_performance.ipynb", "17_distributed.ipynb"}
 CELL_TIMEOUT_S = 600
 CHECK = "C++ kernel available in this run:"
 CHECK_CELL = f"import tridiag_tutorial\nprint({CHECK!r}, tridiag_tutorial.cpp_available())"

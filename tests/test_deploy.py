@@ -1,4 +1,4 @@
-"""Deployment without the Python package (chapters 8 and 12): an ``nn.Module`` that calls the op is
+"""Deployment without the Python package (chapters 8 and 14): an ``nn.Module`` that calls the op is
 exported with a dynamic batch, packaged by AOTInductor, and run in a fresh process that loads only
 the extension's shared library (``torch.ops.load_library``) and never imports ``tridiag_tutorial``.
 

@@ -1,4 +1,4 @@
-"""run_on_ranks (tridiag_tutorial.book.multiprocess) and chapter 14's training demos on 2 and 4 gloo ranks.
+"""run_on_ranks (tridiag_tutorial.book.multiprocess) and chapter 17's training demos on 2 and 4 gloo ranks.
 
 The launcher must return every rank's value in rank order, and turn every way a rank can fail
 into an error in the caller: an exception (with its rank, message and traceback), an exit without

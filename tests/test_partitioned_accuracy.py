@@ -163,7 +163,7 @@ def test_accuracy_results_have_the_expected_structure():
         # family's systems, at 11.8 times ?gtsv's error. "Within 10 times" is not a bound the
         # pieces keep in general: on 800 random systems at n = 1024 two exceeded it (at most
         # 11.1), with the third step solving every piece again as well as with the combination
-        # (chapter 12 says so). Any other excess, or a larger one, fails here.
+        # (chapter 14 says so). Any other excess, or a larger one, fails here.
         known = ({("random", "float64", 1000, 1), ("nearly_singular_block", "float64", 1000, 1)}
                  if label == "pieces" else set())
         assert set(above_ten) <= known, (label, above_ten)
@@ -171,7 +171,7 @@ def test_accuracy_results_have_the_expected_structure():
         assert all(r["disagreements"] == 0 for r in rows), label
     pieces = results["kernels"]["pieces"]["rows"]
     assert {r["n"] for r in pieces} == set(accuracy.PIECES_SYSTEMS)
-    # ?gtsv on the reversed systems, measured in the same run: the baseline chapter 12 shows
+    # ?gtsv on the reversed systems, measured in the same run: the baseline chapter 14 shows
     compared = [r for r in pieces if "ratios" in r]
     assert all(len(r["reversed_ratios"]) == r["compared"] for r in compared)
     assert any(r["reversed_max_ratio"] > 10 for r in compared if r["compared"])

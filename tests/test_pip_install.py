@@ -201,7 +201,7 @@ def test_a_compile_error_is_named_and_objects_are_not_reused(source, tmp_path):
 
     info = wheel()
     assert info["built"] is True and info["libraries"] == ["tridiag_tutorial/_C.abi3.so"]
-    # the C++ source travels with the wheel, every file of it (chapter 12 reads it)
+    # the C++ source travels with the wheel, every file of it (chapter 14 reads it)
     assert info["sources"] == sorted(f"tridiag_tutorial/csrc/{f.name}"
                                      for f in (src / "tridiag_tutorial" / "csrc").iterdir()
                                      if f.suffix in (".cpp", ".h")), info["sources"]

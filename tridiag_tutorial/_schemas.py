@@ -1,7 +1,7 @@
 """The schemas of the package's ops, ``torch.ops.tridiag_tutorial.*``.
 
 The C++ extension built at install defines them (``TORCH_LIBRARY`` in ``csrc/``), so that a
-compiled or exported graph that holds them loads in a process with only that library (chapter 12).
+compiled or exported graph that holds them loads in a process with only that library (chapter 14).
 Where the extension was not built, this module defines the same schemas, ``SCHEMAS``. The
 kernels, fake kernels, autograd and vmap rules are registered in
 :mod:`tridiag_tutorial.registration`.

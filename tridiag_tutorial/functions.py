@@ -46,7 +46,7 @@ def _direct(*tensors) -> bool:
     no ``torch.func`` transform is active, no dispatch or function mode is installed, and they
     are plain tensors with data (no subclass, no FakeTensor or meta tensor, no functorch wrapper).
     Dispatching a custom op from Python costs more than LAPACK needs for a small system (chapter
-    11 measures both). ``None`` entries (absent factors) are skipped."""
+    12 measures both). ``None`` entries (absent factors) are skipped."""
     if not _routes.ON.direct_kernel or torch.compiler.is_compiling():  # Dynamo traces the ops
         return False
     if _compat.mode_active() or _compat.transform_active():
@@ -188,7 +188,7 @@ class _TridiagonalSolve(torch.autograd.Function):
 def _apply(*args):
     """``_TridiagonalSolve.apply(*args)``. Without a ``torch.func`` transform, through
     :func:`_compat.function_apply`, which skips the :mod:`inspect` binding of the arguments that
-    ``Function.apply`` does on every call for a Function with ``setup_context`` (chapter 11
+    ``Function.apply`` does on every call for a Function with ``setup_context`` (chapter 12
     measures that cost: several times LAPACK's own time at n = 100)."""
     if not _routes.ON.function_apply:
         return _TridiagonalSolve.apply(*args)

@@ -18,7 +18,7 @@ a rank-1 2 x 2 block) are counted apart: how many raise
 kernel as it is (``after``), and with ``--before FILE`` the kernel before refinement was added as
 well (``before``: the source of that ``partitioned.py``, which git gives from a clone, ``git show
 93bdc29:tridiag_tutorial/partitioned.py > before.py``; the harness never runs git), and writes
-both with the machine's description; ``--quick`` runs a small sample. Chapter 15 renders the
+both with the machine's description; ``--quick`` runs a small sample. Chapter 16 renders the
 table.
 
 The same families, and the 1-D Poisson matrix ``tridiag(-1, 2, -1)`` and an implicit heat step
@@ -26,7 +26,7 @@ The same families, and the 1-D Poisson matrix ``tridiag(-1, 2, -1)`` and an impl
 pieces (``pieces``, where the C++ kernel is built): :func:`tridiag_tutorial.kernels.compiled.solve_ex`
 with ``pieces_min_n=0``, so that n = 1000 runs it as well as 1e5. Its fallbacks are the systems it
 handed to the sequential elimination (``?gtsv``'s operations), as ``solve_ex`` counts them.
-``--kernels pieces --merge FILE`` measures it alone and adds it to an earlier file. Chapter 12
+``--kernels pieces --merge FILE`` measures it alone and adds it to an earlier file. Chapter 14
 renders its rows.
 """
 

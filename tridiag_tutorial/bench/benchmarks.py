@@ -578,7 +578,7 @@ def run_compiled_kernel(cases=COMPILED_CASES, threads=(1, None), min_time=0.2, r
                         log=print, recorder=None):
     """Time the compiled kernel's interleaved elimination (the op built at install,
     ``torch.ops.tridiag_tutorial.cpp_solve_ex``, through :func:`tridiag_tutorial.kernels.compiled.solve_ex`
-    with the solve in pieces off, so that one system is one chain: chapter 12 compares the
+    with the solve in pieces off, so that one system is one chain: chapter 14 compares the
     two), a Python loop of raw ``dgtsv``, the joined ``lapack.solve`` and, if installed, JAX,
     forward only, float64. Returns rows with ``seconds``, ``ns_per_unknown`` and ``ratio`` to the
     ``dgtsv`` loop. Raises ``RuntimeError`` where the C++ kernel was not built. ``recorder``: as

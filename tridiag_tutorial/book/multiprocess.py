@@ -1,4 +1,4 @@
-"""Run a function on several processes joined by a gloo process group, from anywhere (chapter 14).
+"""Run a function on several processes joined by a gloo process group, from anywhere (chapter 17).
 
 Training on several processes starts one Python process per rank; each joins a *process group*
 (``torch.distributed.init_process_group``) and then runs the same code on its share of the work.

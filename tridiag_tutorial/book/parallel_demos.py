@@ -1,4 +1,4 @@
-"""The worker functions of chapter 14: a model that calls the op, trained on several processes.
+"""The worker functions of chapter 17: a model that calls the op, trained on several processes.
 
 Each ``*_worker`` function is what one rank runs: it takes ``(rank, world_size, ...)``, assumes
 that :func:`tridiag_tutorial.book.multiprocess.run_on_ranks` has joined it to a gloo process group, and

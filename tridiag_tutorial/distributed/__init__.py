@@ -1,4 +1,4 @@
-"""The solve past one machine (chapter 14).
+"""The solve past one machine (chapter 17).
 
 - :mod:`tridiag_tutorial.distributed.solve`: one system split by rows across the ranks of a
   process group, solved in pieces with a reduced system on every rank (:func:`~tridiag_tutorial.distributed.solve.split_solve`),

@@ -4,7 +4,7 @@
 it includes (the kernel's parts), into the extension module ``tridiag_tutorial._C`` (``setup.py``:
 torch's ``CppExtension`` with the CPython limited API and PyTorch's stable ABI, the way
 pytorch/extension-cpp ships its operators). Importing this module imports ``_C``, whose library
-defines the schemas of the package's ops (chapter 12) and the CPU kernel of ``cpp_solve``; nothing
+defines the schemas of the package's ops (chapter 14) and the CPU kernel of ``cpp_solve``; nothing
 is compiled at import. Where the install could not build it (no C++ compiler), :func:`is_available`
 is False, the package defines the same schemas in Python and every CPU solve runs on LAPACK.
 
@@ -26,7 +26,7 @@ its three columns with its neighbours' values (or, where that combination cancel
 solved again). One thread does it all. Its rounding differs from ``?gtsv``'s (it does not pivot
 across the ends of the pieces), so its forward error is close to LAPACK's but not within a fixed
 multiple of it on every system (``python -m tridiag_tutorial.bench.accuracy --kernels pieces``
-measures it; chapter 12 shows the rows). It hands the system to the sequential
+measures it; chapter 14 shows the rows). It hands the system to the sequential
 elimination, which is ``?gtsv``'s, where it cannot vouch for its answer: a zero or non-finite
 pivot in a piece, a step that cancels to rounding, a (nearly) zero pivot in the joining system, a
 value that is not finite, cancellation in a piece, or (decided after the first 8 pieces, once
@@ -174,7 +174,7 @@ def is_available() -> bool:
 
 def library_path() -> str:
     """The path of the compiled library: what ``torch.ops.load_library`` loads in a process that
-    does not import this package (an AOTInductor deployment, chapter 12)."""
+    does not import this package (an AOTInductor deployment, chapter 14)."""
     if _C is None:
         raise RuntimeError(_missing_message())
     return _C.__file__

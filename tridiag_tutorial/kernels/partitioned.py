@@ -48,7 +48,7 @@ pivot made of round-off where LAPACK finds an exact zero. So the kernel
 If any check fails, the whole call is solved again by the sequential pivoting kernel, which
 makes LAPACK's pivot decisions: it returns LAPACK's answer or raises
 :class:`torch.linalg.LinAlgError` where LAPACK does. The check reads one boolean back from the
-device. The accuracy harness (``python -m tridiag_tutorial.bench.accuracy``; chapter 15 shows
+device. The accuracy harness (``python -m tridiag_tutorial.bench.accuracy``; chapter 16 shows
 its committed rows) compares the forward error with LAPACK's on five families of systems, and
 the tests hold it within 10 times LAPACK's where LAPACK's is below 1e-2, and every singular
 construction raises where LAPACK does. Systems with a nearly singular block mostly fall back, as
