@@ -384,3 +384,15 @@ def test_api_page_documents_every_module():
                                       if not p.stem.startswith("_")}
     missing = sorted(modules - documented)
     assert not missing, f"book/api.md documents no `.. automodule::` for {missing}"
+
+
+def test_every_reference_sits_in_one_group_of_the_bibliography():
+    """book/bibliography.md lists the sources by subject (one `{bibliography}` block per
+    `keywords` value of book/references.bib): an entry without a listed group would vanish."""
+    bib = (REPO / "book" / "references.bib").read_text()
+    page = (REPO / "book" / "bibliography.md").read_text()
+    groups = set(re.findall(r':filter: keywords % "\^?([\w-]+)\$?"', page))
+    entries = re.findall(r"^@\w+\{([^,]+),\s*keywords\s*=\s*\{([^}]*)\}", bib, re.M)
+    assert len(entries) == len(re.findall(r"^@\w+\{", bib, re.M)), "an entry has no keywords line"
+    stray = [(key, group) for key, group in entries if group not in groups]
+    assert not stray, f"entries whose group book/bibliography.md does not list: {stray}"
