@@ -23,12 +23,14 @@ from ..kernels import lapack
 __all__ = ["LapackTridiagonalSolve", "tridiagonal_solve_function"]
 
 
+# [book: lapack-numpy]
 def _lapack_solve(lower, diag, upper, rhs) -> torch.Tensor:
     """Tensors in, tensor out, through NumPy: opaque to autograd, and Dynamo breaks the graph here."""
     arrays = (t.detach().resolve_conj().resolve_neg().numpy() for t in (lower, diag, upper, rhs))
     return torch.from_numpy(lapack.solve(*arrays))
 
 
+# [book: lapack-function]
 class LapackTridiagonalSolve(torch.autograd.Function):
     """``x = A^{-1} rhs`` with inputs already validated and broadcast; ``rhs`` is ``(*B, n, k)``."""
 

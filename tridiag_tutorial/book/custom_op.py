@@ -38,6 +38,7 @@ __all__ = ["tridiagonal_solve_op", "tridiagonal_solve_custom_op"]
 # kernel, for every device that has none of its own (CUDA, MPS, XPU, ...), and register_kernel
 # adds the CPU one; the dispatcher picks by the inputs' device. The kernels themselves live in
 # tridiag_tutorial.kernels.
+# [book: custom-op-kernels]
 @torch.library.custom_op("tridiag_tutorial::tridiagonal_solve", mutates_args=())
 def tridiagonal_solve_op(lower: torch.Tensor, diag: torch.Tensor, upper: torch.Tensor,
                          rhs: torch.Tensor, driver: str | None = None) -> torch.Tensor:
@@ -59,14 +60,17 @@ def _solve_cpu(lower, diag, upper, rhs, driver=None):
     """The CPU kernel: LAPACK ``?gtsv``, or the kernel that ``driver`` names (``"sequential"``,
     say: the torch-ops code that other devices run, on a machine without a GPU)."""
     return kernels.solve(lower, diag, upper, rhs, None, None, "N", driver or "lapack")
+# [/book: custom-op-kernels]
 
 
+# [book: custom-op-fake]
 @tridiagonal_solve_op.register_fake
 def _solve_fake(lower, diag, upper, rhs, driver=None):
     # The real kernel returns a new C-contiguous tensor, whatever rhs's strides are.
     return rhs.new_empty(rhs.shape)
 
 
+# [book: custom-op-autograd]
 def _solve_setup_context(ctx, inputs, output):
     lower, diag, upper, _, ctx.driver = inputs
     ctx.save_for_backward(lower, diag, upper, output)
@@ -77,8 +81,10 @@ def _solve_backward(ctx, grad_x):
     def solve(*bands_and_rhs):  # the same kernel as the forward
         return tridiagonal_solve_op(*bands_and_rhs, ctx.driver)
     return (*rules.solve_backward(solve, lower, diag, upper, x, grad_x), None)
+# [/book: custom-op-autograd]
 
 
+# [book: custom-op-vmap]
 def _solve_vmap(info, in_dims, lower, diag, upper, rhs, driver=None):
     return _vmap_rule(lambda *t: tridiagonal_solve_op(*t, driver), info, in_dims[:4],
                       lower, diag, upper, rhs)
@@ -86,6 +92,7 @@ def _solve_vmap(info, in_dims, lower, diag, upper, rhs, driver=None):
 
 tridiagonal_solve_op.register_autograd(_solve_backward, setup_context=_solve_setup_context)
 tridiagonal_solve_op.register_vmap(_solve_vmap)
+# [/book: custom-op-vmap]
 
 
 def tridiagonal_solve_custom_op(lower, diag, upper, rhs, *, driver=None) -> torch.Tensor:

@@ -1,0 +1,116 @@
+"""Chapter 4's claims about the LAPACK-backed ``autograd.Function``, recomputed: what it gets right
+(values, gradients, broadcasting, what it saves) and each limit the chapter measures (graph breaks,
+no ``torch.func``, no second derivative, CPU only)."""
+
+import pytest
+import torch
+from torch.autograd.gradcheck import GradcheckError
+
+import tridiag_tutorial as tt
+from tridiag_tutorial.book.autograd_function import (
+    LapackTridiagonalSolve,
+    tridiagonal_solve_function,
+)
+from tridiag_tutorial.reference import dense_solve, to_dense
+
+from conftest import assert_close, assert_grads_match_dense, make_system
+
+
+def leaves(args):
+    return [t.detach().clone().requires_grad_() for t in args]
+
+
+@pytest.mark.parametrize("k", [None, 3])
+def test_values_and_gradients_match_the_dense_solve(k):
+    args = make_system(6, (2,), k, seed=40)
+    assert_close(tridiagonal_solve_function(*args), dense_solve(*args))
+    inputs = leaves(args)
+    grads = torch.autograd.grad(tridiagonal_solve_function(*inputs).pow(2).sum(), inputs)
+    assert_grads_match_dense(grads, inputs, lambda x: x.pow(2).sum())
+    assert torch.autograd.gradcheck(tridiagonal_solve_function, leaves(make_system(5, seed=41)))
+
+
+def test_a_shared_band_gets_the_sum_of_the_batch_gradients():
+    """Exercise 1: lower and upper shared by two systems, three right-hand sides each."""
+    lower, _, upper, _ = make_system(5, seed=42)
+    _, diag, _, rhs = make_system(5, (2,), 3, seed=43)
+    inputs = leaves((lower, diag, upper, rhs))
+    assert torch.autograd.gradcheck(tridiagonal_solve_function, inputs)
+    grads = torch.autograd.grad(tridiagonal_solve_function(*inputs).sum(), inputs)
+    per_system = [torch.autograd.grad(tridiagonal_solve_function(inputs[0], inputs[1][i], inputs[2],
+                                                                 inputs[3][i]).sum(), inputs[0])[0]
+                  for i in range(2)]
+    assert grads[0].shape == lower.shape
+    assert_close(grads[0], per_system[0] + per_system[1])
+
+
+def test_the_gradients_are_the_bands_of_minus_v_x_transpose():
+    """Exercise 2: v = A^{-T} g, and the band gradients are the bands of -v x^T."""
+    args = make_system(5, seed=44)
+    inputs = leaves(args)
+    x = tridiagonal_solve_function(*inputs)
+    g = torch.randn(5, dtype=torch.float64, generator=torch.Generator().manual_seed(45))
+    x.backward(g)
+    v = torch.linalg.solve(to_dense(*args[:3]).T, g)
+    grad_a = -torch.outer(v, x.detach())
+    for leaf, expected in zip(inputs, [grad_a.diagonal(-1), grad_a.diagonal(), grad_a.diagonal(1), v]):
+        assert_close(leaf.grad, expected)
+
+
+def test_rhs_is_not_saved_so_its_buffer_may_be_reused():
+    lower, diag, upper, rhs = make_system(5, seed=46)
+    d = diag.clone().requires_grad_()
+    buffer = rhs.unsqueeze(-1).clone()
+    x = LapackTridiagonalSolve.apply(lower, d, upper, buffer)
+    expected = torch.autograd.grad(dense_solve(lower, d, upper, rhs).pow(2).sum(), d)[0]
+    buffer.zero_()
+    x.pow(2).sum().backward()
+    assert_close(d.grad, expected)
+
+
+def test_no_second_derivative():
+    args = make_system(5, seed=47)
+    with pytest.raises(GradcheckError, match="Jacobian mismatch"):
+        torch.autograd.gradgradcheck(tridiagonal_solve_function, leaves(args))
+    inputs = leaves(args)
+    (grad_diag,) = torch.autograd.grad(tridiagonal_solve_function(*inputs).pow(2).sum(), inputs[1],
+                                       create_graph=True)
+    penalty = grad_diag.pow(2).sum()
+    assert torch.autograd.grad(penalty, inputs[1], allow_unused=True, retain_graph=True) == (None,)
+    with pytest.raises(RuntimeError, match="once_differentiable"):
+        penalty.backward()
+    (plain,) = torch.autograd.grad(tridiagonal_solve_function(*inputs).sum(), inputs[1], create_graph=True)
+    assert plain.grad_fn is None
+    assert torch.autograd.gradgradcheck(tt.tridiagonal_solve, leaves(args))
+
+
+@pytest.mark.slow
+def test_numpy_in_forward_breaks_the_graph():
+    args = make_system(5, seed=48)
+
+    def loss(*a):
+        return tridiagonal_solve_function(*a).pow(2).sum()
+
+    explanation = torch._dynamo.explain(loss)(*args)
+    assert explanation.graph_break_count > 0
+    assert any(frame.filename.endswith("lapack.py") for frame in explanation.break_reasons[0].user_stack)
+    torch._dynamo.reset()
+    with pytest.raises(Exception, match="ndarray") as info:
+        torch.compile(loss, fullgraph=True)(*args)
+    assert type(info.value).__name__ == "Unsupported"
+
+
+def test_torch_func_grad_asks_for_setup_context():
+    lower, diag, upper, rhs = make_system(5, seed=49)
+    with pytest.raises(RuntimeError, match="setup_context"):
+        torch.func.grad(lambda d: tridiagonal_solve_function(lower, d, upper, rhs).sum())(diag)
+
+
+def test_cpu_only():
+    meta = [torch.empty(s, dtype=torch.float64, device="meta") for s in (4, 5, 4, 5)]
+    with pytest.raises(ValueError, match="CPU only"):
+        tridiagonal_solve_function(*meta)
+    with pytest.raises(TypeError, match="numpy"):
+        LapackTridiagonalSolve.apply(*meta[:3], meta[3].unsqueeze(-1))
+    out = tt.tridiagonal_solve(*meta)
+    assert out.device.type == "meta" and out.shape == (5,) and out.dtype == torch.float64

@@ -1,0 +1,126 @@
+"""Chapter 5's claims about the custom op ``tridiag_tutorial::tridiagonal_solve``, recomputed: its
+schema, the fake kernel's strides, the backward that calls the op, the dispatch table, the
+``driver`` argument, the vmap rule, and where the op stops under ``torch.func``."""
+
+from unittest import mock
+
+import pytest
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from tridiag_tutorial.book.custom_op import tridiagonal_solve_custom_op, tridiagonal_solve_op
+from tridiag_tutorial.kernels import lapack, sequential
+from tridiag_tutorial.reference import dense_solve
+
+from conftest import assert_close, assert_grads_match_dense, make_system, torch_trap
+
+NAME = "tridiag_tutorial::tridiagonal_solve"
+
+
+def leaves(args):
+    return [t.detach().clone().requires_grad_() for t in args]
+
+
+def kernel_counts(fn):
+    with mock.patch.object(lapack, "solve", wraps=lapack.solve) as lapack_solve, \
+         mock.patch.object(sequential, "solve", wraps=sequential.solve) as torch_solve:
+        fn()
+    return lapack_solve.call_count, torch_solve.call_count
+
+
+def test_schema_has_the_driver_and_no_mutation():
+    schema = str(torch.ops.tridiag_tutorial.tridiagonal_solve.default._schema)
+    assert "str? driver=None" in schema and "!" not in schema
+
+
+@pytest.mark.parametrize("layout", ["C", "Fortran"])
+def test_the_fake_kernel_gives_the_real_kernels_strides(layout):
+    lower, diag, upper, rhs = make_system(6, (), 3, seed=50)
+    if layout == "Fortran":
+        rhs = rhs.mT.contiguous().mT
+    real = tridiagonal_solve_op(lower, diag, upper, rhs)
+    mode = FakeTensorMode()
+    with mode:
+        fake = tridiagonal_solve_op(*(mode.from_tensor(t) for t in (lower, diag, upper, rhs)))
+    assert fake.shape == real.shape and fake.stride() == real.stride() == (3, 1)
+    assert_close(real, dense_solve(lower, diag, upper, rhs))
+
+
+def test_backward_calls_the_op_so_it_is_differentiable_twice():
+    args = leaves(make_system(5, (), 2, seed=51))
+    assert torch.autograd.gradcheck(tridiagonal_solve_op, args)
+    assert torch.autograd.gradgradcheck(tridiagonal_solve_op, args)
+
+
+@pytest.mark.slow
+def test_one_graph_and_compiled_gradients_equal_the_dense_ones():
+    args = leaves(make_system(6, (), 3, seed=52))
+
+    def loss(*a):
+        return tridiagonal_solve_op(*a).square().sum()
+
+    assert torch._dynamo.explain(loss)(*args).graph_break_count == 0
+    torch._dynamo.reset()
+    grads = torch.autograd.grad(torch.compile(loss, backend="aot_eager", fullgraph=True)(*args), args)
+    assert_grads_match_dense(grads, args, lambda x: x.square().sum())
+
+
+def test_dispatch_table_has_one_entry_per_registration():
+    keys = sorted(line.split(":")[0].removesuffix("[alias]")
+                  for line in torch._C._dispatch_dump(NAME).splitlines()
+                  if " registered at " in line and not line.startswith("debug:"))
+    assert keys == ["Autograd", "CPU", "CompositeExplicitAutograd", "FuncTorchBatched", "Meta"]
+    assert torch._C._dispatch_has_computed_kernel_for_dispatch_key(NAME, "CUDA")
+
+
+def test_the_driver_argument_picks_the_kernel_forward_and_backward():
+    args = make_system(6, (), 3, seed=53)
+    assert kernel_counts(lambda: tridiagonal_solve_op(*args)) == (1, 0)
+    assert kernel_counts(lambda: tridiagonal_solve_op(*args, "sequential")) == (0, 1)
+    with tridiagonal_solve_op.set_kernel_enabled("cpu", False):
+        assert kernel_counts(lambda: tridiagonal_solve_op(*args)) == (0, 1)
+    inputs = leaves(args)
+    assert kernel_counts(lambda: torch.autograd.grad(
+        tridiagonal_solve_op(*inputs, "sequential").square().sum(), inputs)) == (0, 2)
+    for driver in (None, "sequential"):
+        assert_close(tridiagonal_solve_op(*args, driver), dense_solve(*args))
+
+
+def test_vmap_calls_the_kernel_once_and_equals_the_loop():
+    many = make_system(6, (16,), 3, seed=54)
+    loop = torch.stack([tridiagonal_solve_op(*(t[s] for t in many)) for s in range(16)])
+    assert kernel_counts(lambda: torch.func.vmap(tridiagonal_solve_op)(*many)) == (1, 0)
+    assert_close(torch.func.vmap(tridiagonal_solve_op)(*many), loop)
+    rhs_last = many[3].movedim(0, -1)
+    mixed = torch.func.vmap(tridiagonal_solve_op, in_dims=(None, 0, None, 2))(
+        many[0][0], many[1], many[2][0], rhs_last)
+    mixed_loop = torch.stack([tridiagonal_solve_op(many[0][0], many[1][s], many[2][0], rhs_last[..., s])
+                              for s in range(16)])
+    assert_close(mixed, mixed_loop)
+
+
+def test_autograd_agrees_with_the_dense_reference():
+    lower, diag, upper, rhs = make_system(6, seed=55)
+    d = diag.clone().requires_grad_()
+    (grad,) = torch.autograd.grad(tridiagonal_solve_custom_op(lower, d, upper, rhs).sum(), d)
+    (expected,) = torch.autograd.grad(dense_solve(lower, d, upper, rhs).sum(), d)
+    assert_close(grad, expected)
+
+
+@torch_trap
+def test_where_the_op_stops_under_torch_func():
+    """torch 2.13: grad and jacrev raise; jvp and jacfwd return zero tangents without an error."""
+    lower, diag, upper, rhs = make_system(6, seed=56)
+
+    def solve_in_diag(d):
+        return tridiagonal_solve_custom_op(lower, d, upper, rhs)
+
+    with pytest.raises(RuntimeError, match="setup_context"):
+        torch.func.grad(lambda d: solve_in_diag(d).sum())(diag)
+    with pytest.raises(RuntimeError, match="setup_context"):
+        torch.func.jacrev(solve_in_diag)(diag)
+    u = torch.ones_like(diag)
+    _, tangent = torch.func.jvp(solve_in_diag, (diag,), (u,))
+    _, dense_tangent = torch.func.jvp(lambda d: dense_solve(lower, d, upper, rhs), (diag,), (u,))
+    assert torch.all(tangent == 0) and dense_tangent.abs().max() > 1e-3
+    assert torch.all(torch.func.jacfwd(solve_in_diag)(diag) == 0)
