@@ -1,0 +1,277 @@
+"""Chapter 6 (torch.compile checks): the claims the chapter makes, recomputed with the package.
+
+The chapter prints its counts and differences, and nbval compares them; these tests check the
+claims behind them on other inputs, and the ones the chapter states without printing.
+"""
+
+import contextlib
+import io
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch._dynamo.testing import CompileCounterWithBackend
+
+from tridiag_tutorial import rules, tridiagonal_solve
+from tridiag_tutorial.book.custom_op import tridiagonal_solve_custom_op, tridiagonal_solve_op
+from tridiag_tutorial.reference import dense_solve
+
+from conftest import torch_trap
+
+CUSTOM_OP = "tridiag_tutorial.tridiagonal_solve.default"
+
+
+def system(n, batch=(), seed=0, requires_grad=False):
+    """A diagonally dominant float64 system (the chapter's make_system, another seed)."""
+    g = torch.Generator().manual_seed(seed)
+    out = [torch.randn(*batch, n - 1, generator=g, dtype=torch.float64),
+           4 + torch.randn(*batch, n, generator=g, dtype=torch.float64),
+           torch.randn(*batch, n - 1, generator=g, dtype=torch.float64),
+           torch.randn(*batch, n, generator=g, dtype=torch.float64)]
+    return [t.requires_grad_() for t in out] if requires_grad else out
+
+
+def loss_of(solve):
+    def loss(lower, diag, upper, rhs):
+        return solve(lower, diag, upper, rhs).square().sum()
+    return loss
+
+
+loss = loss_of(tridiagonal_solve_custom_op)
+
+
+def rescaled_if(lower, diag, upper, rhs):
+    x = tridiagonal_solve_custom_op(lower, diag, upper, rhs)
+    biggest = x.abs().max()
+    if biggest > 1:
+        x = x / biggest
+    return x.square().sum()
+
+
+def rescaled_cond(lower, diag, upper, rhs):
+    x = tridiagonal_solve_custom_op(lower, diag, upper, rhs)
+    biggest = x.abs().max()
+    x = torch.cond(biggest > 1, lambda x, b: x / b, lambda x, b: x.clone(), (x, biggest))
+    return x.square().sum()
+
+
+def test_the_op_is_one_node_of_one_graph():
+    explained = torch._dynamo.explain(loss)(*system(7, seed=1))
+    assert (explained.graph_count, explained.graph_break_count) == (1, 0)
+    (graph,) = explained.graphs
+    assert [str(n.target) for n in graph.graph.nodes].count(CUSTOM_OP) == 1
+
+
+@pytest.mark.slow  # several compilations: a few seconds
+def test_if_on_a_value_breaks_and_cond_serves_both_branches_in_one_graph():
+    explained = torch._dynamo.explain(rescaled_if)(*system(6, seed=2))
+    assert explained.graph_break_count == 1
+    torch.compiler.reset()
+    counter = CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(rescaled_cond, fullgraph=True, backend=counter)
+    largest = []
+    for scale in (1.0, 1000.0):
+        lower, diag, upper, rhs = system(6, seed=2)
+        inputs = [t.requires_grad_() for t in (lower, diag, upper, scale * rhs)]
+        largest.append(tridiagonal_solve_custom_op(*inputs).abs().max().item())
+        value, eager = compiled(*inputs), rescaled_if(*inputs)
+        torch.testing.assert_close(value, eager)
+        for g, e in zip(torch.autograd.grad(value, inputs), torch.autograd.grad(eager, inputs)):
+            torch.testing.assert_close(g, e, rtol=1e-12, atol=1e-14)
+    assert largest[0] < 1 < largest[1]  # each branch taken once
+    assert counter.frame_count == 1
+
+
+def test_forward_and_backward_graphs_each_call_the_op_once():
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
+
+    recorded = {}
+
+    def recording(name):
+        def compiler(gm, example_inputs):
+            recorded[name] = [str(n.target) for n in gm.graph.nodes if n.op == "call_function"]
+            return make_boxed_func(gm.forward)
+        return compiler
+
+    backend = aot_autograd(fw_compiler=recording("forward"), bw_compiler=recording("backward"))
+    inputs = system(9, seed=3, requires_grad=True)
+    grads = torch.autograd.grad(torch.compile(loss, fullgraph=True, backend=backend)(*inputs), inputs)
+    assert set(recorded) == {"forward", "backward"}
+    assert all(targets.count(CUSTOM_OP) == 1 for targets in recorded.values())
+    for g, e in zip(grads, torch.autograd.grad(loss_of(dense_solve)(*inputs), inputs)):
+        torch.testing.assert_close(g, e, rtol=1e-10, atol=1e-12)
+
+
+@torch_trap
+def test_double_backward_through_a_compiled_function_raises():
+    inputs = system(6, seed=4, requires_grad=True)
+    first = torch.autograd.grad(torch.compile(loss, fullgraph=True, backend="aot_eager")(*inputs),
+                                inputs, create_graph=True)
+    assert all(g.requires_grad for g in first)
+    with pytest.raises(RuntimeError, match="double backward"):
+        torch.autograd.grad(first[1].sum(), inputs)
+
+
+def test_eager_second_derivatives_of_the_custom_op():
+    inputs = system(5, batch=(2,), seed=5, requires_grad=True)
+    assert torch.autograd.gradgradcheck(loss, inputs)
+    first = torch.autograd.grad(loss(*inputs), inputs, create_graph=True)
+    second = torch.autograd.grad(first[1].sum(), inputs)
+    dense = loss_of(dense_solve)
+    first_dense = torch.autograd.grad(dense(*inputs), inputs, create_graph=True)
+    for s, e in zip(second, torch.autograd.grad(first_dense[1].sum(), inputs)):
+        torch.testing.assert_close(s, e, rtol=1e-10, atol=1e-12)
+
+
+def count_compiles(sizes, mark_dynamic=False, **options):
+    torch.compiler.reset()
+    counter = CompileCounterWithBackend("eager")
+    compiled = torch.compile(loss, backend=counter, fullgraph=True, **options)
+    counts = []
+    for n in sizes:
+        inputs = system(n, seed=n)
+        if mark_dynamic:
+            for t in inputs:
+                torch._dynamo.mark_dynamic(t, 0)
+        torch.testing.assert_close(compiled(*inputs), loss(*inputs))
+        counts.append(counter.frame_count)
+    return counts
+
+
+@pytest.mark.slow  # several compilations: a few seconds
+def test_recompilations_when_n_changes():
+    sizes = [12, 13, 14, 15]
+    assert count_compiles(sizes) == [1, 2, 2, 2]  # automatic dynamic: once static, once symbolic
+    assert count_compiles(sizes, dynamic=False) == [1, 2, 3, 4]
+    assert count_compiles(sizes, dynamic=True) == [1, 1, 1, 1]
+    assert count_compiles(sizes, mark_dynamic=True) == [1, 1, 1, 1]
+
+
+def test_the_recompiles_log_names_the_failed_guard():
+    torch.compiler.reset()
+    log = io.StringIO()
+    with contextlib.redirect_stderr(log):
+        torch._logging.set_logs(graph_breaks=True, recompiles=True)
+    try:
+        compiled = torch.compile(rescaled_if, backend="eager")
+        compiled(*system(10, seed=6))
+        compiled(*system(11, seed=7))
+    finally:
+        torch._logging.set_logs()
+    text = log.getvalue()
+    assert "Recompiling function rescaled_if" in text
+    assert "size mismatch at index 0. expected 10, actual 11" in text
+    assert "Graph Break Reason" in text
+
+
+class SolveNoJvp(torch.autograd.Function):
+    @staticmethod
+    def forward(lower, diag, upper, rhs):
+        return tridiagonal_solve_op(lower, diag, upper, rhs)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        lower, diag, upper, _ = inputs
+        ctx.save_for_backward(lower, diag, upper, output)
+        ctx.save_for_forward(lower, diag, upper, output)
+
+    @staticmethod
+    def backward(ctx, grad_x):
+        lower, diag, upper, x = ctx.saved_tensors
+        return rules.solve_backward(tridiagonal_solve_op, lower, diag, upper, x, grad_x)
+
+
+class SolveWithJvp(SolveNoJvp):
+    @staticmethod
+    def jvp(ctx, d_lower, d_diag, d_upper, d_rhs):
+        lower, diag, upper, x = ctx.saved_tensors
+        return rules.solve_jvp(tridiagonal_solve_op, lower, diag, upper, x,
+                               d_lower, d_diag, d_upper, d_rhs)
+
+
+@torch_trap
+def test_a_function_with_jvp_does_not_compile_fullgraph_when_gradients_are_needed():
+    lower, diag, upper, rhs = system(7, seed=8)
+    inputs = [t.requires_grad_() for t in (lower, diag, upper, rhs.unsqueeze(-1))]
+    no_jvp = lambda *a: SolveNoJvp.apply(*a).square().sum()  # noqa: E731
+    with_jvp = lambda *a: SolveWithJvp.apply(*a).square().sum()  # noqa: E731
+    value = torch.compile(no_jvp, fullgraph=True, backend="aot_eager")(*inputs)
+    for g, e in zip(torch.autograd.grad(value, inputs), torch.autograd.grad(no_jvp(*inputs), inputs)):
+        torch.testing.assert_close(g, e)
+    torch.compiler.reset()
+    with pytest.raises(Exception, match="jvp"):
+        torch.compile(with_jvp, fullgraph=True, backend="aot_eager")(*inputs)
+    torch.compiler.reset()
+    plain = [t.detach() for t in inputs]
+    torch.testing.assert_close(torch.compile(with_jvp, fullgraph=True, backend="aot_eager")(*plain),
+                               with_jvp(*plain))
+    with pytest.raises(NotImplementedError):
+        torch.func.jvp(SolveNoJvp.apply, tuple(plain), tuple(torch.ones_like(t) for t in plain))
+
+
+def test_the_final_op_compiles_fullgraph_and_has_forward_mode():
+    inputs = system(8, seed=9, requires_grad=True)
+    final = loss_of(tridiagonal_solve)
+    value = torch.compile(final, fullgraph=True, backend="aot_eager")(*inputs)
+    for g, e in zip(torch.autograd.grad(value, inputs), torch.autograd.grad(final(*inputs), inputs)):
+        torch.testing.assert_close(g, e)
+    primals = tuple(t.detach() for t in inputs)
+    tangents = tuple(torch.randn_like(t) for t in primals)
+    torch.testing.assert_close(torch.func.jvp(tridiagonal_solve, primals, tangents)[1],
+                               torch.func.jvp(dense_solve, primals, tangents)[1])
+
+
+# The implicit smoother of section 6.5, on its own seeds.
+N_POINTS = 64
+T_GRID = torch.linspace(0, 1, N_POINTS, dtype=torch.float64)
+
+
+def make_signals(seed, count):
+    g = torch.Generator().manual_seed(seed)
+    modes = torch.stack([torch.sin(j * torch.pi * T_GRID) for j in (1, 2, 3)], dim=-1)
+    clean = (modes @ torch.randn(3, count, generator=g, dtype=torch.float64)
+             + (T_GRID > 0.6).double().unsqueeze(-1) * torch.randn(count, generator=g, dtype=torch.float64))
+    return clean, clean + 0.2 * torch.randn(clean.shape, generator=g, dtype=torch.float64)
+
+
+def smooth(theta, noisy):
+    w = F.softplus(theta)
+    zero = w.new_zeros(1)
+    return tridiagonal_solve_custom_op(-w, 1 + torch.cat([w, zero]) + torch.cat([zero, w]), -w, noisy)
+
+
+def train(loss_fn, steps=60):
+    theta = torch.zeros(N_POINTS - 1, dtype=torch.float64, requires_grad=True)
+    optimizer = torch.optim.Adam([theta], lr=0.1)
+    history = []
+    for _ in range(steps):
+        optimizer.zero_grad()
+        value = loss_fn(theta)
+        value.backward()
+        optimizer.step()
+        history.append(value.detach())
+    return torch.stack(history), theta.detach()
+
+
+def test_compiled_training_follows_eager_and_learns_the_step():
+    clean, noisy = make_signals(seed=10, count=16)
+    smoother_loss = lambda theta: (smooth(theta, noisy) - clean).square().mean()  # noqa: E731
+    history, theta = train(smoother_loss)
+    torch.compiler.reset()
+    history_c, theta_c = train(torch.compile(smoother_loss, fullgraph=True, backend="aot_eager"))
+    torch.testing.assert_close(history_c, history, rtol=1e-9, atol=0)
+    torch.testing.assert_close(theta_c, theta, rtol=1e-9, atol=1e-12)
+
+    weights = F.softplus(theta)
+    edge = int((T_GRID > 0.6).nonzero()[0]) - 1
+    others = torch.cat([weights[:edge], weights[edge + 1:]])
+    assert weights[edge] < others.min() / 4
+
+    clean_test, noisy_test = make_signals(seed=11, count=64)
+
+    def test_error(th):
+        return (smooth(th, noisy_test) - clean_test).square().mean().item()
+
+    best_single = min(test_error(torch.full_like(theta, c)) for c in torch.linspace(-3, 4, 36).tolist())
+    assert test_error(theta) < 0.9 * best_single < 0.9 * test_error(torch.zeros_like(theta))
