@@ -48,6 +48,7 @@ def tridiag_matmul(lower, diag, upper, x: torch.Tensor) -> torch.Tensor:
     return out
 
 
+# [book: band-gradients]
 def band_gradients(v: torch.Tensor, x: torch.Tensor):
     """The three bands of ``-v x^H``, summed over columns: ``(grad_lower, grad_diag, grad_upper)``.
 
@@ -65,6 +66,7 @@ def band_gradients(v: torch.Tensor, x: torch.Tensor):
     return grad_lower, grad_diag, grad_upper
 
 
+# [book: solve-backward]
 def solve_backward(solve: Solve, lower, diag, upper, x, grad_x):
     """Reverse mode: ``(grad_lower, grad_diag, grad_upper, grad_rhs)`` from ``grad_x = dL/dx``."""
     v = solve(upper.conj(), diag.conj(), lower.conj(), grad_x)  # v = A^{-H} g
@@ -72,6 +74,7 @@ def solve_backward(solve: Solve, lower, diag, upper, x, grad_x):
     return grad_lower, grad_diag, grad_upper, v
 
 
+# [book: solve-jvp]
 def solve_jvp(solve: Solve, lower, diag, upper, x,
               d_lower: torch.Tensor | None, d_diag: torch.Tensor | None,
               d_upper: torch.Tensor | None, d_rhs: torch.Tensor | None) -> torch.Tensor:

@@ -63,7 +63,9 @@ def forward_difference(f: Callable, x, h: float):
         1.00005
     """
     h = _check_step(h)
+    # [book: forward-difference]
     return (f(x + h) - f(x)) / h
+    # [/book: forward-difference]
 
 
 def central_difference(f: Callable, x, h: float):
@@ -82,7 +84,9 @@ def central_difference(f: Callable, x, h: float):
         True
     """
     h = _check_step(h)
+    # [book: central-difference]
     return (f(x + h) - f(x - h)) / (2 * h)
+    # [/book: central-difference]
 
 
 def optimal_step(kind: str, eps: float | None = None, *, scale: float = 1.0,

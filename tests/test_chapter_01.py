@@ -1,0 +1,131 @@
+"""Chapter 1's claims, recomputed: finite-difference error orders, the V-shaped error curve and
+its best step, float64 against float32 at gradcheck's step, and what gradcheck catches."""
+
+import math
+
+import numpy as np
+import pytest
+import torch
+from torch.autograd.gradcheck import GradcheckError
+
+from tridiag_tutorial.book.finite_diff import (
+    central_difference,
+    forward_difference,
+    numerical_gradient,
+    optimal_step,
+)
+
+X0 = 1.0
+EXACT = math.cos(X0)
+STEPS = np.array([10.0 ** (k / 20) for k in range(-320, -19)])  # 1e-16 ... 1e-1, as the chapter
+
+
+def errors(difference):
+    return np.array([abs(difference(math.sin, X0, h) - EXACT) for h in STEPS])
+
+
+def test_taylor_predicts_the_truncation_error_to_one_percent():
+    h = 1e-3
+    assert math.isclose(forward_difference(math.sin, X0, h) - EXACT, -h / 2 * math.sin(X0), rel_tol=1e-2)
+    assert math.isclose(central_difference(math.sin, X0, h) - EXACT, -h**2 / 6 * math.cos(X0), rel_tol=1e-2)
+
+
+@pytest.mark.parametrize("difference, order", [(forward_difference, 1), (central_difference, 2)])
+def test_the_right_arm_of_the_v_has_the_order_as_slope(difference, order):
+    errs = errors(difference)
+    arm = STEPS >= 1e-4
+    slope = np.polyfit(np.log(STEPS[arm]), np.log(errs[arm]), 1)[0]
+    assert abs(slope - order) < 0.05
+
+
+@pytest.mark.parametrize("difference, kind, smallest", [(forward_difference, "forward", 1e-9),
+                                                        (central_difference, "central", 1e-12)])
+def test_the_best_step_is_within_ten_of_the_rule_of_thumb(difference, kind, smallest):
+    errs = errors(difference)
+    predicted, observed = optimal_step(kind), STEPS[np.argmin(errs)]
+    assert predicted / 10 < observed < 10 * predicted
+    assert errs.min() < smallest
+
+
+def test_at_the_smallest_step_the_forward_difference_is_zero():
+    assert 1.0 + STEPS[0] == 1.0 and forward_difference(math.sin, X0, STEPS[0]) == 0.0
+
+
+def test_gradchecks_step_is_fine_in_float64_and_useless_in_float32():
+    err = {dtype: abs(central_difference(torch.sin, torch.tensor(X0, dtype=dtype), 1e-6).item() - EXACT)
+           for dtype in (torch.float64, torch.float32)}
+    assert err[torch.float64] < 1e-9
+    assert err[torch.float32] > 100 * 1e-5  # over a hundred times gradcheck's default atol
+
+
+def test_autograd_matches_the_closed_form_and_finite_differences():
+    x = torch.tensor(0.7, dtype=torch.float64, requires_grad=True)
+    (torch.sin(x) ** 2 * torch.exp(x)).backward()
+    s, c, e = math.sin(0.7), math.cos(0.7), math.exp(0.7)
+    assert math.isclose(x.grad.item(), 2 * s * c * e + s * s * e, rel_tol=1e-14)
+    xs = torch.linspace(-1.0, 1.0, 5, dtype=torch.float64)
+    (numeric,) = numerical_gradient(lambda t: (torch.sin(t) ** 2 * torch.exp(t)).sum(), (xs,))
+    exact = 2 * torch.sin(xs) * torch.cos(xs) * torch.exp(xs) + torch.sin(xs) ** 2 * torch.exp(xs)
+    assert (numeric - exact).abs().max() < 1e-8
+
+
+def test_backward_of_a_vector_needs_gradient():
+    x = torch.linspace(-1.0, 1.0, 5, dtype=torch.float64, requires_grad=True)
+    with pytest.raises(RuntimeError, match="grad can be implicitly created only for scalar outputs"):
+        torch.sin(x).backward()
+    torch.sin(x).backward(gradient=torch.ones(5, dtype=torch.float64))
+    assert torch.allclose(x.grad, torch.cos(x.detach()), rtol=0, atol=1e-15)
+
+
+class NeoReLU(torch.autograd.Function):
+    """The chapter's NeoReLU, backward ignoring grad_output."""
+
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        return torch.where(x > 0, x, -0.1)
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        (x,) = ctx.saved_tensors
+        return (x > 0).to(grad_output.dtype)
+
+
+class NeoReLUFixed(NeoReLU):
+    @staticmethod
+    def backward(ctx, grad_output):
+        (x,) = ctx.saved_tensors
+        return grad_output * (x > 0)
+
+
+def test_gradcheck_catches_a_backward_that_ignores_grad_output():
+    x = torch.tensor([1.6, -0.4, -2.3, 0.7, -1.2], dtype=torch.float64, requires_grad=True)
+    with pytest.raises(GradcheckError, match="^Jacobian mismatch for output 0 with respect to input 0"):
+        torch.autograd.gradcheck(NeoReLU.apply, (x,))
+    with pytest.raises(GradcheckError, match="backward not multiplied by grad_output"):
+        torch.autograd.gradcheck(lambda t: NeoReLU.apply(t).sum(), (x,))
+    assert torch.autograd.gradcheck(NeoReLUFixed.apply, (x,))
+
+
+@pytest.mark.parametrize("point, passes", [(2e-6, True), (3e-7, False), (0.0, False)])
+def test_across_the_jump_the_central_difference_measures_the_jump(point, passes):
+    t = torch.tensor([-1.0, point, 2.0], dtype=torch.float64, requires_grad=True)
+    (slopes,) = numerical_gradient(lambda s: NeoReLUFixed.apply(s).sum(), (t,))
+    expected = 1.0 if passes else (0.1 + point + 1e-6) / 2e-6  # the jump over 2 eps
+    assert abs(slopes[1].item() - expected) < 1e-3
+    if passes:
+        assert torch.autograd.gradcheck(NeoReLUFixed.apply, (t,))
+    else:
+        with pytest.raises(GradcheckError):
+            torch.autograd.gradcheck(NeoReLUFixed.apply, (t,))
+
+
+def test_the_exercises_five_point_stencil_and_complex_step():
+    def five_point(h):
+        f = math.sin
+        return abs((-f(X0 + 2 * h) + 8 * f(X0 + h) - 8 * f(X0 - h) + f(X0 - 2 * h)) / (12 * h) - EXACT)
+
+    assert abs(five_point(1e-2) / five_point(5e-3) - 16) < 0.5
+    z = torch.tensor(X0 + 1e-20j, dtype=torch.complex128)
+    assert abs(torch.sin(z).imag.item() / 1e-20 - EXACT) < 1e-15
+    assert central_difference(math.sin, X0, 1e-20) == 0.0

@@ -1,0 +1,136 @@
+"""Chapter 2's claims, recomputed with the package: the heat-equation step against its exact
+eigen-decomposition, the explicit step's blow-up, partial pivoting on the zero- and tiny-pivot
+systems, no row swaps under diagonal dominance, SciPy's raw ``?gtsv`` (info, copies, n = 1) and
+``solve_banded``, and the periodic (Sherman-Morrison) exercise."""
+
+import numpy as np
+import pytest
+import scipy.linalg
+import torch
+
+import tridiag_tutorial as tt
+from tridiag_tutorial.kernels import lapack
+
+
+def heat_bands(n, r):
+    off = np.full(n - 1, -r)
+    return off, np.full(n, 1 + 2 * r), off.copy()
+
+
+def pivot_example(eps):
+    """The chapter's 6 x 6 system: ones off the diagonal, diag (eps, 3, ..., 3), x = (1, ..., 6)."""
+    lower, upper, diag = np.ones(5), np.ones(5), np.full(6, 3.0)
+    diag[0] = eps
+    x_true = np.arange(1.0, 7.0)
+    A = np.diag(diag) + np.diag(lower, -1) + np.diag(upper, 1)
+    return lower, diag, upper, A @ x_true, x_true
+
+
+def test_backward_euler_steps_match_the_eigen_decomposition():
+    n, steps = 99, 100
+    h = 1.0 / (n + 1)
+    r = 1e-3 / h**2
+    x = np.linspace(h, 1 - h, n)
+    u = np.sin(np.pi * x) + 0.5 * np.sin(5 * np.pi * x)
+    for _ in range(steps):
+        u = lapack.gtsv(*heat_bands(n, r), u)
+    g = lambda m: 1 / (1 + 4 * r * np.sin(m * np.pi * h / 2) ** 2)  # noqa: E731
+    expected = g(1) ** steps * np.sin(np.pi * x) + 0.5 * g(5) ** steps * np.sin(5 * np.pi * x)
+    assert np.abs(u - expected).max() < 1e-12
+    assert abs(g(1) ** steps - np.exp(-np.pi**2 * 0.1)) < 0.01
+
+
+def test_the_explicit_step_blows_up_at_r_10():
+    n, r = 99, 10.0
+    x = torch.linspace(0.01, 0.99, n, dtype=torch.float64)
+    u = (torch.sin(torch.pi * x) + 0.5 * torch.sin(5 * torch.pi * x))[:, None]
+    off = torch.full((n - 1,), r, dtype=torch.float64)
+    for _ in range(20):
+        u = tt.tridiag_matmul(off, torch.full((n,), 1 - 2 * r, dtype=torch.float64), off, u)
+    assert u.abs().max() > 1e10
+
+
+def test_gtsv_pivots_past_a_zero_pivot():
+    lower, diag, upper, rhs, x_true = pivot_example(0.0)
+    assert np.abs(lapack.gtsv(lower, diag, upper, rhs) - x_true).max() < 1e-14
+    assert lapack.gttrf(lower, diag, upper).ipiv.tolist() == [2, 2, 3, 4, 5, 6]
+
+
+def test_a_tiny_pivot_costs_elimination_without_pivoting_its_accuracy_but_not_gtsv():
+    lower, diag, upper, rhs, x_true = pivot_example(1e-12)
+    c, y = [diag[0]], [rhs[0]]  # elimination without pivoting, as the chapter's thomas
+    for i in range(1, 6):
+        w = lower[i - 1] / c[-1]
+        c.append(diag[i] - w * upper[i - 1])
+        y.append(rhs[i] - w * y[-1])
+    x = [0.0] * 6
+    x[5] = y[5] / c[5]
+    for i in range(4, -1, -1):
+        x[i] = (y[i] - upper[i] * x[i + 1]) / c[i]
+    rel = lambda z: np.linalg.norm(z - x_true) / np.linalg.norm(x_true)  # noqa: E731
+    assert rel(np.array(x)) > 1e-6
+    assert rel(lapack.gtsv(lower, diag, upper, rhs)) < 1e-14
+    assert np.linalg.cond(np.diag(diag) + np.diag(lower, -1) + np.diag(upper, 1)) < 20
+
+
+def test_diagonal_dominance_means_no_row_swaps():
+    rng = np.random.default_rng(2)
+    n = 10_000
+    lower, diag, upper = rng.uniform(-1, 1, n - 1), rng.uniform(2, 3, n), rng.uniform(-1, 1, n - 1)
+    ipiv = lapack.gttrf(lower, diag, upper).ipiv
+    assert np.array_equal(ipiv, np.arange(1, n + 1))
+
+
+def test_raw_gtsv_reports_singular_only_through_info_and_the_package_raises():
+    (dgtsv,) = scipy.linalg.get_lapack_funcs(("gtsv",), (np.ones(3),))
+    s_l, s_d, s_u = np.array([1.0, 0.0]), np.ones(3), np.array([1.0, 0.0])
+    *_, info = dgtsv(s_l, s_d, s_u, np.array([[1.0], [2.0], [3.0]]))
+    assert info == 2
+    with pytest.raises(torch.linalg.LinAlgError, match="pivot U\\[1, 1\\] is exactly zero"):
+        lapack.gtsv(s_l, s_d, s_u, np.array([1.0, 2.0, 3.0]))
+
+
+def test_raw_gtsv_copies_by_default_and_overwrites_on_request():
+    (dgtsv,) = scipy.linalg.get_lapack_funcs(("gtsv",), (np.ones(3),))
+    rng = np.random.default_rng(3)
+    arrays = [rng.uniform(-1, 1, 4), rng.uniform(2, 3, 5), rng.uniform(-1, 1, 4), rng.standard_normal((5, 1))]
+    saved = [a.copy() for a in arrays]
+    dgtsv(*arrays)
+    assert all(np.array_equal(a, s) for a, s in zip(arrays, saved))
+    x = dgtsv(*arrays, overwrite_dl=1, overwrite_d=1, overwrite_du=1, overwrite_b=1)[3]
+    changed = [name for name, a, s in zip(("dl", "d", "du", "b"), arrays, saved) if not np.array_equal(a, s)]
+    assert changed == ["dl", "d", "b"] and np.shares_memory(x, arrays[3])
+
+
+def test_n_equals_1_raw_gtsv_refuses_and_the_package_and_solve_banded_solve():
+    (dgtsv,) = scipy.linalg.get_lapack_funcs(("gtsv",), (np.ones(3),))
+    with pytest.raises(ValueError, match="unexpected array size"):
+        dgtsv(np.array([]), np.array([2.0]), np.array([]), np.array([[4.0]]))
+    assert lapack.gtsv(np.array([]), np.array([2.0]), np.array([]), np.array([4.0])).tolist() == [2.0]
+    ab = np.array([[0.0], [2.0], [0.0]])
+    assert scipy.linalg.solve_banded((1, 1), ab, np.array([4.0])).tolist() == [2.0]
+
+
+def test_solve_banded_is_gtsv_on_the_same_numbers():
+    n = 99
+    lower, diag, upper = heat_bands(n, 10.0)
+    b = np.sin(np.pi * np.linspace(0.01, 0.99, n))
+    ab = np.zeros((3, n))
+    ab[0, 1:], ab[1], ab[2, :-1] = upper, diag, lower
+    (dgtsv,) = scipy.linalg.get_lapack_funcs(("gtsv",), (diag,))
+    assert np.array_equal(scipy.linalg.solve_banded((1, 1), ab, b), dgtsv(lower, diag, upper, b[:, None])[3].ravel())
+
+
+def test_sherman_morrison_solves_the_periodic_heat_matrix():
+    n, r = 50, 10.0
+    b = np.random.default_rng(5).standard_normal(n)
+    lower, diag, upper = heat_bands(n, r)
+    A = np.diag(diag) + np.diag(lower, -1) + np.diag(upper, 1)
+    A[0, -1] = A[-1, 0] = -r
+    alpha, v = -r, np.zeros(n)
+    v[0] = v[-1] = 1.0
+    t_diag = diag.copy()
+    t_diag[[0, -1]] -= alpha
+    y, z = lapack.gtsv(lower, t_diag, upper, b), lapack.gtsv(lower, t_diag, upper, v)
+    x = y - alpha * (v @ y) / (1 + alpha * (v @ z)) * z
+    assert np.abs(x - np.linalg.solve(A, b)).max() < 1e-12

@@ -1,0 +1,98 @@
+"""Chapter 3's claims, recomputed: the band gradients are the three central diagonals of the dense
+gradient -v x^H, A^T and A^H are the swapped (and conjugated) bands, the backward rule makes one
+solve on them, the conjugations matter for complex inputs, a custom op with only a reverse rule
+gives zero tangents under torch.func.jvp, and PyTorch's derivatives.yaml pairs both rules for its
+dense solve."""
+
+import pathlib
+
+import pytest
+import torch
+
+from tridiag_tutorial import rules, to_dense, tridiagonal_solve
+
+
+def bands(n, dtype=torch.float64, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    lower = torch.randn(n - 1, dtype=dtype, generator=gen)
+    upper = torch.randn(n - 1, dtype=dtype, generator=gen)
+    diag = 4 + torch.randn(n, dtype=dtype, generator=gen).abs()  # dominant: |diag| > 4 > typical off
+    diag = (diag + lower.abs().max() + upper.abs().max()).to(dtype)
+    return lower, diag, upper
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.complex128])
+def test_band_gradients_are_the_diagonals_of_minus_v_x_h(dtype):
+    lower, diag, upper = bands(7, dtype)
+    A = to_dense(lower, diag, upper)
+    b = torch.randn(7, 1, dtype=dtype, generator=torch.Generator().manual_seed(1))
+    x = torch.linalg.solve(A, b)
+    v = torch.linalg.solve(A.mH, torch.ones_like(x))
+    dense = -v @ x.mH
+    for offset, band in zip((-1, 0, 1), rules.band_gradients(v, x)):
+        assert torch.allclose(band, torch.diagonal(dense, offset), rtol=0, atol=1e-14)
+
+
+def test_transpose_and_adjoint_are_the_swapped_bands():
+    lower, diag, upper = bands(5)
+    assert torch.equal(to_dense(upper, diag, lower), to_dense(lower, diag, upper).T)
+    lower_c, diag_c, upper_c = bands(5, torch.complex128)
+    assert torch.equal(to_dense(upper_c.conj(), diag_c.conj(), lower_c.conj()),
+                       to_dense(lower_c, diag_c, upper_c).mH)
+
+
+def test_solve_backward_makes_one_solve_on_the_swapped_conjugated_bands():
+    lower, diag, upper = bands(6, torch.complex128)
+    B = torch.randn(6, 2, dtype=torch.complex128, generator=torch.Generator().manual_seed(2))
+    X = tridiagonal_solve(lower, diag, upper, B)
+    G = torch.randn(6, 2, dtype=torch.complex128, generator=torch.Generator().manual_seed(3))
+    calls = []
+
+    def recording_solve(*args):
+        calls.append(args[:3])
+        return tridiagonal_solve(*args)
+
+    grads = rules.solve_backward(recording_solve, lower, diag, upper, X, G)
+    ((l_, d_, u_),) = calls
+    assert torch.equal(l_, upper.conj()) and torch.equal(d_, diag.conj()) and torch.equal(u_, lower.conj())
+    for a, b in zip(rules.band_gradients(grads[3], X), grads[:3]):
+        assert torch.equal(a, b)
+
+
+def test_forgetting_the_conjugations_gives_wrong_complex_gradients():
+    lower, diag, upper = bands(6, torch.complex128)
+    gen = torch.Generator().manual_seed(4)
+    b, t = (torch.randn(6, dtype=torch.complex128, generator=gen) for _ in range(2))
+    leaves = [p.clone().requires_grad_() for p in (lower, diag, upper, b)]
+    x = tridiagonal_solve(*leaves)
+    (x - t).abs().square().sum().backward()
+    A, xd = to_dense(lower, diag, upper), x.detach()
+    v_wrong = torch.linalg.solve(A.T, 2 * (xd - t))
+    assert (-v_wrong * xd - leaves[1].grad).abs().max() > 0.1 * leaves[1].grad.abs().max()
+    v_right = torch.linalg.solve(A.mH, 2 * (xd - t))
+    assert torch.allclose(-v_right * xd.conj(), leaves[1].grad, rtol=0, atol=1e-12)
+
+
+def test_a_custom_op_with_only_register_autograd_gives_zero_tangents():
+    from tridiag_tutorial.book.custom_op import tridiagonal_solve_custom_op
+
+    lower, diag, upper = bands(6)
+    gen = torch.Generator().manual_seed(5)
+    b = torch.randn(6, dtype=torch.float64, generator=gen)
+    tangents = tuple(torch.randn_like(p) for p in (lower, diag, upper, b))
+    _, dx_custom = torch.func.jvp(tridiagonal_solve_custom_op, (lower, diag, upper, b), tangents)
+    _, dx_final = torch.func.jvp(tridiagonal_solve, (lower, diag, upper, b), tangents)
+    A, x = to_dense(lower, diag, upper), tridiagonal_solve(lower, diag, upper, b)
+    dx = torch.linalg.solve(A, tangents[3] - to_dense(*tangents[:3]) @ x)
+    assert torch.all(dx_custom == 0) and dx.abs().max() > 0.01
+    assert torch.allclose(dx_final, dx, rtol=0, atol=1e-12)
+
+
+def test_derivatives_yaml_pairs_a_reverse_and_a_forward_rule_for_the_dense_solve():
+    torchgen = pytest.importorskip("torchgen")
+    path = pathlib.Path(torchgen.__file__).parent / "packaged" / "autograd" / "derivatives.yaml"
+    if not path.exists():
+        pytest.skip("this torch wheel ships no derivatives.yaml")
+    (entry,) = [e for e in path.read_text().split("\n\n") if e.strip().startswith("- name: _linalg_solve_ex(")]
+    assert "A, B: linalg_solve_backward(grad, result, A, LU, pivots" in entry
+    assert 'result: "linalg_solve_jvp(A_t, B_t, result, LU, pivots' in entry
