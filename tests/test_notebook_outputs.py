@@ -110,7 +110,7 @@ def test_timing_asserts_across_cells(cells, flagged):
     assert check.timing_asserts([code(c) for c in cells]) == flagged
 
 
-def test_chapter_12_shows_the_current_setup_py():
+def test_chapter_14_shows_the_current_setup_py():
     """Chapter 14 prints the extension block of setup.py. Under nbval the notebooks run from a copy
     outside the repository, where setup.py is not, so that cell's output is not compared there:
     its saved output is compared with setup.py here instead."""
@@ -145,5 +145,6 @@ def test_the_sanitizer_reads_round_off_alike():
             text = re.sub(regex, replace, text)
         return text
     assert sanitize("error 6.1e-16, 2.3e-13") == sanitize("error 8.9e-17, 1.1e-12")
+    assert sanitize("error 0.0e+00") == sanitize("error 1.1e-16")
     assert sanitize("error 3.1e-10") != sanitize("error 4.2e-10")
     assert sanitize("step 1e-5") == "step 1e-5"
