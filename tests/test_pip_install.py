@@ -197,6 +197,8 @@ def test_a_compile_error_is_named_and_objects_are_not_reused(source, tmp_path):
             info = json.loads(z.read("tridiag_tutorial/_build_info.json"))
             info["libraries"] = [n for n in z.namelist() if n.endswith(".so")]
             info["sources"] = sorted(n for n in z.namelist() if "/csrc/" in n)
+            info["data"] = sorted(n for n in z.namelist() if n.endswith(".json")
+                                  and not n.endswith("_build_info.json"))
         return info
 
     info = wheel()
@@ -205,6 +207,8 @@ def test_a_compile_error_is_named_and_objects_are_not_reused(source, tmp_path):
     assert info["sources"] == sorted(f"tridiag_tutorial/csrc/{f.name}"
                                      for f in (src / "tridiag_tutorial" / "csrc").iterdir()
                                      if f.suffix in (".cpp", ".h")), info["sources"]
+    # and the reference timings chapter 12 reads where no repository is beside it (Colab)
+    assert info["data"] == ["tridiag_tutorial/bench/reference_rows.json"], info["data"]
     info = wheel({"CC": "/nonexistent/cc", "CXX": "/nonexistent/c++"})
     assert info["built"] is False and info["libraries"] == [] and info["cause"] == "no_compiler"
     keys = sorted(p.name for p in (src / "build").glob("temp.*/tridiag-*"))

@@ -1,0 +1,144 @@
+"""Chapter 12 (measuring performance): the reference rows it quotes, and what its prose reads in them.
+
+The chapter prints its reference figures from ``tridiag_tutorial.bench.reference`` (package data,
+so that it runs opened alone); these tests check that the shipped rows are the suite's run, and
+recompute each statement the prose makes about them."""
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from tridiag_tutorial.bench import reference
+
+ROOT = Path(__file__).resolve().parents[1]
+SUITE = ROOT / "notebooks" / "data" / "benchmark_results.json"
+CHAPTER = ROOT / "notebooks" / "12_performance.ipynb"
+SIZES = [10**k for k in range(2, 7)]
+
+REF = reference.load()
+ROWS = REF["rows"]
+FAMILIES = sorted({r["family"] for r in ROWS})
+
+
+def t(impl, n, batch=0, mode="forward", threads=1, busy=False, family="dominant"):
+    key = (impl, mode, n, batch, threads, family, busy)
+    (found,) = [r["seconds"] for r in ROWS if (r["impl"], r["mode"], r["n"], r["batch"],
+                                                r["threads"], r["family"], r["busy"]) == key]
+    return found
+
+
+def over_jax(impl, n, family="dominant", **kw):
+    return t(impl, n, family=family, **kw) / t("jax", n, family=family, **kw)
+
+
+@pytest.mark.skipif(not SUITE.exists(), reason="the suite's results are not in this checkout")
+def test_the_shipped_rows_are_the_suites_run():
+    report = json.loads(SUITE.read_text())
+    shipped = json.loads((Path(reference.__file__).parent / reference.FILE).read_text())
+    assert shipped == json.loads(json.dumps(reference.extract(report)))
+    machine = report[f"{reference.SECTION}_machine"]
+    assert REF["machine"] == machine and machine["cpu"] == "AMD EPYC"
+    # the rounded seconds give back the suite's own ratios to JAX
+    names = {v: k for k, v in reference.IMPLS.items()}
+    for row in report[reference.SECTION]:
+        if row["dtype"] == "float64" and row["family"] == "dominant" and not row["compiled"]:
+            case = dict(batch=row["batch"], mode=row["mode"], threads=row["threads"],
+                        busy=row["busy"])
+            q = t(names[row["impl"]], row["n"], **case) / t("jax", row["n"], **case)
+            assert q == pytest.approx(row["ratio"], rel=2e-3)
+
+
+def test_the_rows_cover_every_case_the_chapter_reads():
+    assert len(FAMILIES) == 9 and REF["dtype"] == "float64"
+    for family in FAMILIES:
+        for n in SIZES:
+            for impl in ("op", "lapack", "jax"):
+                assert t(impl, n, family=family) > 0
+
+
+def test_on_lapack_the_difference_is_a_fixed_cost():
+    at_100 = [over_jax("lapack", 100, f) for f in FAMILIES]
+    assert min(at_100) > 4  # "over four times JAX's time at n = 100"
+    assert (max(at_100) - min(at_100)) / np.median(at_100) < 0.06  # "about a twentieth"
+    for n in SIZES[1:]:
+        spread = [over_jax("lapack", n, f) for f in FAMILIES]
+        assert max(spread) - min(spread) < 0.06  # "a few hundredths beyond"
+    assert all(0.97 < over_jax("lapack", n, f) < 1.05 for n in SIZES[3:] for f in FAMILIES)
+
+
+def test_as_installed_the_op_is_close_to_jax_then_about_four_tenths():
+    assert 0.9 < over_jax("op", 100) < 1.2
+    assert all(0.35 < over_jax("op", n) < 0.45 for n in SIZES[2:])
+
+
+def fit(impl, mode):
+    ns = np.array(SIZES, dtype=float)
+    ts = np.array([t(impl, n, mode=mode) for n in SIZES])
+    b, a = np.polyfit(ns, ts, 1, w=1 / ts)
+    return a, b
+
+
+@pytest.mark.parametrize("mode", ["forward", "backward"])
+def test_same_cost_per_unknown_fixed_costs_several_times_apart(mode):
+    (a_op, b_op), (a_jax, b_jax) = fit("lapack", mode), fit("jax", mode)
+    assert abs(b_op / b_jax - 1) < 0.1  # "within a tenth"
+    assert a_op / a_jax > 3  # "several times over"
+
+
+def test_compiling_costs_at_small_n_and_little_on_a_batch():
+    for threads in (1, 2):
+        forward = t("compiled", 100, threads=threads) / t("op", 100, threads=threads)
+        both = (t("compiled", 100, mode="backward", threads=threads)
+                / t("op", 100, mode="backward", threads=threads))
+        assert forward > 4 and 2.5 < both < 3.5
+        for mode in ("forward", "backward"):
+            q = t("compiled", 256, 1024, mode, threads) / t("op", 256, 1024, mode, threads)
+            assert 1 < q < 1.2  # "about as long as eager"
+
+
+def test_threads_help_the_kernels_batches_only():
+    ratio = {(impl, batch, n): t(impl, n, batch, threads=1) / t(impl, n, batch, threads=2)
+             for impl in ("op", "lapack", "jax")
+             for batch, n in ((0, 1000), (0, 10**5), (1024, 256), (16384, 64), (100000, 8))}
+    assert all(q > 1.8 for (impl, batch, _), q in ratio.items() if impl == "op" and batch)
+    assert all(0.95 < q < 1.05 for (impl, *_), q in ratio.items() if impl == "lapack")
+    assert all(q < 1.05 for (impl, *_), q in ratio.items() if impl == "jax")
+    assert ratio["jax", 0, 1000] < 0.8
+    # "its single-system ratios, 0.99 and 1.15"
+    assert [round(ratio["op", 0, n], 2) for n in (1000, 10**5)] == [0.99, 1.15]
+
+
+def test_a_busy_core_slowed_only_jaxs_two_threads_at_n_1000():
+    slowed = {(impl, n, threads) for impl in ("op", "lapack", "jax") for n in (1000, 10**5)
+              for threads in (1, 2)
+              if t(impl, n, threads=threads, busy=True) / t(impl, n, threads=threads) > 1.06}
+    assert slowed == {("jax", 1000, 2)}
+
+
+def test_only_the_poisson_matrix_loses_the_kernels_gain():
+    for family in FAMILIES:
+        qs = [over_jax("op", n, family) for n in SIZES[2:]]
+        if family == "poisson":
+            assert qs[0] < 0.5 and all(0.95 < q < 1.05 for q in qs[1:])
+        else:
+            assert max(qs) < 0.5  # "under half of JAX's time at every size"
+
+
+def test_the_chapter_reads_no_file_of_the_repository():
+    code = "\n".join("".join(c["source"]) for c in json.loads(CHAPTER.read_text())["cells"]
+                     if c["cell_type"] == "code")
+    assert "data/" not in code and "Path(" not in code and "open(" not in code
+
+
+@pytest.mark.slow
+def test_the_chapter_runs_opened_alone(tmp_path):
+    """As in Colab: the notebook alone in a folder, no data beside it."""
+    nbformat = pytest.importorskip("nbformat")
+    nbclient = pytest.importorskip("nbclient")
+    shutil.copy(CHAPTER, tmp_path / CHAPTER.name)
+    nb = nbformat.read(tmp_path / CHAPTER.name, as_version=4)
+    nbclient.NotebookClient(nb, timeout=600, kernel_name="python3",
+                            resources={"metadata": {"path": str(tmp_path)}}).execute()
