@@ -27,12 +27,13 @@ NOTEBOOKS = Path(__file__).resolve().parents[1] / "notebooks"
 CHAPTERS = [
     "03_adjoint.ipynb",
     "07_torch_func.ipynb",
-    "13_production_op.ipynb",
     "09_application.ipynb",
     "12_performance.ipynb",
+    "13_production_op.ipynb",
     "14_cpp_operator.ipynb",
-    "17_distributed.ipynb",
+    "15_cpu_kernels.ipynb",
     "16_other_devices.ipynb",
+    "17_distributed.ipynb",
 ]
 # no cell needs the kernel: no "skipped:" line to expect
 NO_GUARD = {"03_adjoint.ipynb", "12_performance.ipynb", "17_distributed.ipynb"}

@@ -1,0 +1,80 @@
+"""What chapter 14 (a C++ operator and shipping it) states about the package's own operator,
+recomputed here: the shipped library's symbols, the kernel against LAPACK, its errors."""
+
+import re
+import shutil
+import subprocess
+
+import pytest
+import torch
+
+import tridiag_tutorial
+from tridiag_tutorial import SingularMatrixError
+from tridiag_tutorial.kernels import compiled, lapack
+
+from conftest import require_cpp
+
+LIBTORCH_CPP = re.compile(r"\b(c10|at|torch|caffe2)::")
+
+
+def batch(seed=0, n=50, shape=(3, 7), k=2):
+    g = torch.Generator().manual_seed(seed)
+    lower = torch.randn(*shape, n - 1, generator=g, dtype=torch.float64)
+    sign = torch.where(torch.rand(*shape, n, generator=g) < 0.5, -1.0, 1.0).to(torch.float64)
+    diag = sign * (1.5 + torch.randn(*shape, n, generator=g, dtype=torch.float64).abs())
+    upper = torch.randn(*shape, n - 1, generator=g, dtype=torch.float64)
+    return lower, diag, upper, torch.randn(*shape, n, k, generator=g, dtype=torch.float64)
+
+
+def test_the_shipped_library_needs_only_c_functions_of_torch():
+    """Section 14.7: tridiag_tutorial._C needs no C++ symbol of libtorch, registers its ops through
+    the stable ABI's C functions, and needs of CPython only what its module stub calls."""
+    require_cpp()
+    if shutil.which("nm") is None:
+        pytest.skip("nm is not installed")
+    listing = subprocess.run(["nm", "-D", "-C", "--undefined-only", compiled.library_path()],
+                             capture_output=True, text=True, check=True).stdout
+    names = [line.split()[-1].split("@")[0] for line in listing.splitlines() if line.strip()]
+    assert not [s for s in names if LIBTORCH_CPP.search(s)]
+    assert any(s.startswith("aoti_torch_library_def") for s in names)
+    assert "torch_call_dispatcher" in names
+    assert {s for s in names if s.startswith("Py")} <= {"PyModule_Create2", "Py_BuildValue"}
+
+
+def test_the_kernel_gives_lapacks_bits_on_a_batch():
+    require_cpp()
+    system = batch()
+    x_cpp = compiled.solve(*system)
+    x_lapack = torch.from_numpy(lapack.solve(*(t.numpy() for t in system)))
+    assert torch.equal(x_cpp, x_lapack)
+
+
+def test_a_singular_system_raises_as_on_lapack_and_the_op_reports_its_pivot():
+    require_cpp()
+    lower, diag, upper, rhs = (t.clone() for t in batch(n=5, shape=(3,), k=1))
+    diag[1, 0] = 0.0
+    lower[1, 0] = 0.0
+    messages = []
+    for solve in (lambda: compiled.solve(lower, diag, upper, rhs),
+                  lambda: lapack.solve(*(t.numpy() for t in (lower, diag, upper, rhs)))):
+        with pytest.raises(SingularMatrixError) as caught:
+            solve()
+        messages.append(str(caught.value))
+    assert messages[0] == messages[1] and "(1,)" in messages[0]
+    _, info = torch.ops.tridiag_tutorial.cpp_solve(lower, diag, upper, rhs)
+    assert int(info) == 1 * 5 + 0
+
+
+def test_the_op_refuses_integers_with_a_runtime_error():
+    require_cpp()
+    ints = [torch.ones(2, dtype=torch.int64), torch.ones(3, dtype=torch.int64),
+            torch.ones(2, dtype=torch.int64), torch.ones(3, 1, dtype=torch.int64)]
+    with pytest.raises(RuntimeError, match="dtype must be float32, float64"):
+        torch.ops.tridiag_tutorial.cpp_solve(*ints)
+
+
+def test_without_the_library_the_schemas_still_exist():
+    """Section 14.5: the package defines every schema, with or without the C++ library."""
+    for name in ("solve", "solve_kernel", "lu_factor"):
+        assert getattr(torch.ops.tridiag_tutorial, name).default._schema.name == f"tridiag_tutorial::{name}"
+    assert isinstance(tridiag_tutorial.cpp_available(), bool)
