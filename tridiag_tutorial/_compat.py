@@ -87,7 +87,7 @@ def base_apply(cls):
 def function_apply(cls, *args):
     """``cls.apply(*args)`` for an ``autograd.Function`` with ``setup_context``, positional
     arguments only, without the :mod:`inspect` binding of the arguments to ``forward``'s
-    signature that torch 2.13's ``Function.apply`` performs on every such call (chapter 12 measures it).
+    signature that torch 2.13's ``Function.apply`` performs on every such call (chapter 13 measures it).
     Without a ``torch.func`` transform, that ``apply`` does exactly this after the binding: unwrap
     dead functorch wrappers and call the C++ ``_FunctionBase.apply``; under a transform, and on
     releases whose ``apply`` is the C++ method itself, this is ``cls.apply``."""

@@ -63,7 +63,7 @@ about twice a solve with the factors, so when a backward pass will follow, the p
 factors ``A = LU`` once (:func:`tridiagonal_lu_factor`'s op) and the backward solves
 ``A^H v = g`` from the same factors. With LAPACK it does not pay: ``?gtsv`` factors and solves in
 one sweep, so ``?gttrf`` + two ``?gttrs`` do nearly the work of two ``?gtsv``, and over a whole
-forward and backward keeping the factors does not pay (chapter 12 shows the measurements); the
+forward and backward keeping the factors does not pay (chapter 13 shows the measurements); the
 backward calls ``?gtsv`` with ``A^H``.
 
 Factorization as a feature: :func:`tridiagonal_lu_factor` returns :class:`TridiagonalFactors`, and
@@ -130,7 +130,7 @@ def _solve_on_cpp(lower, diag, upper, rhs):
     backward and nothing more. The C++ op checks everything that
     :func:`~tridiag_tutorial._validation.validate` checks before it reads a tensor; where it
     refuses the inputs, the general path validates them again and raises the typed error. At
-    n = 100 the general path costs twice the fast one (chapter 12's routes table)."""
+    n = 100 the general path costs twice the fast one (chapter 13's routes table)."""
     if not (type(lower) is type(diag) is type(upper) is type(rhs) is torch.Tensor and diag.is_cpu):
         return None, None
     if (torch.compiler.is_compiling() or torch.jit.is_tracing() or _compat.forward_ad_active()

@@ -188,7 +188,7 @@ class _TridiagonalSolve(torch.autograd.Function):
 def _apply(*args):
     """``_TridiagonalSolve.apply(*args)``. Without a ``torch.func`` transform, through
     :func:`_compat.function_apply`, which skips the :mod:`inspect` binding of the arguments that
-    ``Function.apply`` does on every call for a Function with ``setup_context`` (chapter 12
+    ``Function.apply`` does on every call for a Function with ``setup_context`` (chapter 13
     measures that cost: several times LAPACK's own time at n = 100)."""
     if not _routes.ON.function_apply:
         return _TridiagonalSolve.apply(*args)

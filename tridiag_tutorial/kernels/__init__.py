@@ -66,7 +66,7 @@ def choose_driver(device_type: str, dtype: torch.dtype, batch: int, n: int, cpp:
       LAPACK otherwise: the cases where the committed benchmark rows show the C++ kernel faster
       than this package's LAPACK kernel (``python -m tridiag_tutorial.bench.benchmarks``: the
       batches of ``--compiled-only``, the one large system of ``--one-system-only`` on nine
-      families of matrices, quiet and with a core busy; chapters 12 and 14 show them). One real
+      families of matrices, quiet and with a core busy; chapters 12 and 15 show them). One real
       system of ``compiled.PIECES_MIN_N`` unknowns or more goes to the kernel's solve in pieces,
       which eliminates many pieces of the one system side by side, and hands a system whose
       pieces it cannot vouch for (``tridiag(-1, 2, -1)``, say) to its sequential elimination,
