@@ -21,7 +21,7 @@ nbclient = pytest.importorskip("nbclient", reason="executing the chapters needs 
 pytest.importorskip("ipykernel", reason="executing the chapters needs an IPython kernel (ipykernel)")
 
 NOTEBOOKS = Path(__file__).resolve().parents[1] / "notebooks"
-# The chapters that call the C++ kernel somewhere; chapters 3 and 12, whose timings run on
+# The chapters that call the C++ kernel somewhere; chapters 3, 9 and 12, whose timings run on
 # whichever kernel the automatic choice picks; and chapter 17, whose FSDP2 training runs on LAPACK
 # without the kernel. Each must run to the end without it.
 CHAPTERS = [
@@ -36,7 +36,7 @@ CHAPTERS = [
     "17_distributed.ipynb",
 ]
 # no cell needs the kernel: no "skipped:" line to expect
-NO_GUARD = {"03_adjoint.ipynb", "12_performance.ipynb", "17_distributed.ipynb"}
+NO_GUARD = {"03_adjoint.ipynb", "09_application.ipynb", "12_performance.ipynb", "17_distributed.ipynb"}
 CELL_TIMEOUT_S = 600
 CHECK = "C++ kernel available in this run:"
 CHECK_CELL = f"import tridiag_tutorial\nprint({CHECK!r}, tridiag_tutorial.cpp_available())"

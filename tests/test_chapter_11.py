@@ -1,0 +1,90 @@
+"""Chapter 11's claims about symmetric positive-definite tridiagonal solves, recomputed.
+
+The capstone op itself is the reader's exercise and lives in the chapter; these tests check the
+facts its prose builds on, with SciPy's LAPACK and the package: ?ptsv's factors and its error
+code, that its default flags leave the inputs alone while overwrite_b writes into a Fortran-ordered
+b, that ?gttrf pivots on a positive-definite matrix that is not diagonally dominant while ?pttrf
+needs no pivot, that passing one off-diagonal twice to tridiagonal_solve adds its two band
+gradients as the symmetric formula does, and the periodic (Sherman-Morrison) solve of exercise 2."""
+
+import numpy as np
+import pytest
+import torch
+
+import tridiag_tutorial as tt
+
+lapack = pytest.importorskip("scipy.linalg.lapack")
+
+DTYPE = torch.float64
+
+
+def test_ptsv_factors_solve_and_leave_the_inputs_alone():
+    rng = np.random.default_rng(0)
+    n = 8
+    d, e = 3 + rng.random(n), rng.random(n - 1) - 0.5
+    b = rng.standard_normal((n, 2))
+    before = [a.copy() for a in (d, e, b)]
+    factor_d, factor_e, x, info = lapack.dptsv(d, e, b)
+    A = np.diag(d) + np.diag(e, -1) + np.diag(e, 1)
+    L = np.eye(n) + np.diag(factor_e, -1)
+    assert info == 0
+    assert np.abs(A @ x - b).max() < 1e-13
+    assert np.abs(L @ np.diag(factor_d) @ L.T - A).max() < 1e-13
+    assert all(np.array_equal(a, a0) for a, a0 in zip((d, e, b), before))
+    b_fortran = np.asfortranarray(b.copy())
+    lapack.dptsv(d, e, b_fortran, overwrite_b=1)
+    assert np.abs(b_fortran - x).max() < 1e-15
+
+
+def test_ptsv_reports_the_first_non_positive_pivot():
+    *_, info = lapack.dptsv(np.array([1.0, 1.0, 1.0]), np.array([2.0, 0.5]), np.ones((3, 1)))
+    assert info == 2
+
+
+def test_gttrf_pivots_where_pttrf_needs_none():
+    d, e = np.array([1.0, 5.0, 5.0]), np.array([2.0, 1.0])
+    A = np.diag(d) + np.diag(e, -1) + np.diag(e, 1)
+    assert np.linalg.eigvalsh(A).min() > 0 and abs(e[0]) > d[0]
+    assert (lapack.dgttrf(e, d, e)[4] != np.arange(1, 4)).sum() > 0
+    assert lapack.dpttrf(d, e)[2] == 0
+
+
+def test_one_off_diagonal_passed_twice_gets_the_symmetric_gradient():
+    gen = torch.Generator().manual_seed(13)
+    n, k = 30, 2
+    d = (3 + torch.rand(n, dtype=DTYPE, generator=gen)).requires_grad_()
+    e = (2 * torch.rand(n - 1, dtype=DTYPE, generator=gen) - 1).requires_grad_()
+    b = torch.randn(n, k, dtype=DTYPE, generator=gen)
+    g = torch.randn(n, k, dtype=DTYPE, generator=gen)
+    x = tt.tridiagonal_solve(e, d, e, b)
+    grad_d, grad_e = torch.autograd.grad(x, (d, e), grad_outputs=g)
+    with torch.no_grad():
+        v = tt.tridiagonal_solve(e, d, e, g)   # A^T = A
+        assert (grad_d + (v * x).sum(-1)).abs().max() < 1e-13
+        assert (grad_e + (v[1:] * x[:-1] + v[:-1] * x[1:]).sum(-1)).abs().max() < 1e-13
+
+
+def cyclic_solve(lower, diag, upper, alpha, beta, b):
+    n = diag.shape[-1]
+    gamma = -diag[0]
+    diag_t = torch.cat([(diag[0] - gamma).reshape(1), diag[1:-1],
+                        (diag[-1] - alpha * beta / gamma).reshape(1)])
+    u = torch.cat([gamma.reshape(1), b.new_zeros(n - 2), alpha.reshape(1)])
+    yz = tt.tridiagonal_solve(lower, diag_t, upper, torch.stack([b, u], dim=-1))
+    y, z = yz[:, 0], yz[:, 1]
+    return y - (y[0] + beta / gamma * y[-1]) / (1 + z[0] + beta / gamma * z[-1]) * z
+
+
+def test_periodic_solve_by_sherman_morrison():
+    gen = torch.Generator().manual_seed(2)
+    n = 7
+    args = [torch.randn(n - 1, dtype=DTYPE, generator=gen), 4 + torch.randn(n, dtype=DTYPE, generator=gen),
+            torch.randn(n - 1, dtype=DTYPE, generator=gen), torch.randn((), dtype=DTYPE, generator=gen),
+            torch.randn((), dtype=DTYPE, generator=gen), torch.randn(n, dtype=DTYPE, generator=gen)]
+    A = tt.to_dense(*args[:3])
+    A[n - 1, 0] += args[3]
+    A[0, n - 1] += args[4]
+    assert (cyclic_solve(*args) - torch.linalg.solve(A, args[5])).abs().max() < 1e-12
+    leaves = [t.clone().requires_grad_() for t in args]
+    assert torch.autograd.gradcheck(cyclic_solve, leaves)
+    assert torch.autograd.gradgradcheck(cyclic_solve, leaves)
