@@ -1,0 +1,178 @@
+"""Chapter 16 (kernels for other devices): the claims the chapter's text makes from its cells,
+recomputed with the package, so that the chapter itself shows values and not asserts."""
+
+import contextlib
+import functools
+from unittest import mock
+
+import pytest
+import torch
+from torch.autograd import gradcheck
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import tridiag_tutorial
+from tridiag_tutorial import to_dense, tridiag_matmul, tridiagonal_solve
+from tridiag_tutorial.kernels import lapack, partitioned, sequential
+from tridiag_tutorial.reference import dense_solve
+
+F64 = torch.float64
+
+
+def random_system(n, batch=(), k=None, seed=0):
+    """The chapter's recipe: off-diagonals N(0, 1), diagonal (1.5 + |N(0, 1)|) * random sign."""
+    g = torch.Generator().manual_seed(seed)
+    randn = lambda *shape: torch.randn(*shape, generator=g, dtype=F64)  # noqa: E731
+    sign = torch.where(torch.rand(*batch, n, generator=g) < 0.5, -1.0, 1.0).to(F64)
+    diag = (1.5 + randn(*batch, n).abs()) * sign
+    rhs = randn(*batch, n) if k is None else randn(*batch, n, k)
+    return [randn(*batch, n - 1), diag, randn(*batch, n - 1), rhs]
+
+
+class CountOps(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.views = self.compute = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.is_view:
+            self.views += 1
+        else:
+            self.compute += 1
+        return func(*args, **(kwargs or {}))
+
+
+def count_ops(fn, lower, diag, upper, rhs):
+    with CountOps() as counter:
+        fn(lower, diag, upper, rhs[..., None])
+    return counter
+
+
+def sequential_calls(fn):
+    """(fn(), calls of sequential.solve, calls of partitioned.solve)."""
+    with contextlib.ExitStack() as stack:
+        seq = stack.enter_context(mock.patch.object(sequential, "solve", wraps=sequential.solve))
+        part = stack.enter_context(mock.patch.object(partitioned, "solve", wraps=partitioned.solve))
+        result = fn()
+    return result, seq.call_count, part.call_count
+
+
+def test_sequential_factors_are_lapacks_bit_for_bit():
+    l0, d0, u0 = torch.ones(5, dtype=F64), torch.tensor([0.0, 3, 3, 3, 3, 3], dtype=F64), torch.ones(5, dtype=F64)
+    lu, piv = sequential.factor(l0, d0, u0)
+    lu_l, piv_l = map(torch.from_numpy, lapack.factor(l0.numpy(), d0.numpy(), u0.numpy()))
+    assert torch.equal(lu, lu_l) and torch.equal(piv, piv_l) and piv[0] == 2
+    lb, db, ub, _ = random_system(40, batch=(16,), seed=10)
+    db[db.abs() < 2.0] = 0.0
+    lu, piv = sequential.factor(lb, db, ub)
+    lu_l, piv_l = map(torch.from_numpy, lapack.factor(lb.numpy(), db.numpy(), ub.numpy()))
+    assert torch.equal(lu, lu_l) and torch.equal(piv, piv_l)
+    assert (piv != torch.arange(1, 41, dtype=piv.dtype)).sum() > 100  # it does pivot
+
+
+def test_sequential_solves_match_the_dense_solve():
+    l0, d0, u0 = torch.ones(5, dtype=F64), torch.tensor([0.0, 3, 3, 3, 3, 3], dtype=F64), torch.ones(5, dtype=F64)
+    x_true = torch.arange(1.0, 7.0, dtype=F64)
+    b0 = tridiag_matmul(l0, d0, u0, x_true[:, None])[:, 0]
+    torch.testing.assert_close(tridiagonal_solve(l0, d0, u0, b0, driver="sequential"), x_true)
+    lb, db, ub, bb = random_system(40, batch=(16,), seed=10)
+    db[db.abs() < 2.0] = 0.0
+    x = tridiagonal_solve(lb, db, ub, bb, driver="sequential")
+    x_dense = dense_solve(lb, db, ub, bb)
+    assert (x - x_dense).abs().max() / x_dense.abs().max() < 1e-12
+
+
+def test_sequential_kernel_launches_about_30_operations_per_row_whatever_the_batch():
+    per_row = {}
+    for n, systems in [(100, 1), (1000, 1), (100, 64)]:
+        c = count_ops(sequential.solve, *random_system(n, batch=(systems,), seed=n))
+        per_row[n, systems] = (c.compute / n, c.views / n)
+    assert all(25 < c < 35 and 5 < v < 10 for c, v in per_row.values())
+    assert per_row[100, 1] == per_row[100, 64]
+
+
+def test_schur_complement_of_the_blocks_is_tridiagonal():
+    m, n = partitioned.BLOCK, 23
+    p = -(-(n + 1) // (m + 1))
+    lower, diag, upper, _ = random_system(n, seed=3)
+    A = torch.eye(p * (m + 1), dtype=F64)
+    A[:n, :n] = to_dense(lower, diag, upper)
+    rows = torch.arange(p * (m + 1))
+    sep = rows % (m + 1) == m
+    order = torch.cat([rows[~sep], rows[sep]])
+    Ap = A[order][:, order]
+    nb = int((~sep).sum())
+    S = Ap[nb:, nb:] - Ap[nb:, :nb] @ torch.linalg.solve(Ap[:nb, :nb], Ap[:nb, nb:])
+    off = S - torch.diag_embed(S.diagonal()) - torch.diag_embed(S.diagonal(-1), -1) - torch.diag_embed(S.diagonal(1), 1)
+    assert S.shape == (5, 5) and off.abs().max() < 1e-12
+    assert S.diagonal(1)[:-1].abs().min() > 0  # coupled, but for the padding separator
+
+
+def test_partitioned_operations_grow_like_log_n_and_not_with_the_batch():
+    small = count_ops(partitioned.solve, *random_system(10**3, seed=1)).compute
+    large = count_ops(partitioned.solve, *random_system(10**4, seed=1)).compute
+    batch = count_ops(partitioned.solve, *random_system(10**3, batch=(20,), seed=1)).compute
+    assert large / small < 1.4 and large < 2500
+    assert batch == small
+    assert partitioned.levels(1000) == [1000, 201, 41, 9]
+
+
+@pytest.mark.slow
+def test_partitioned_operations_at_a_million_unknowns():
+    c4 = count_ops(partitioned.solve, *random_system(10**4, seed=10**4)).compute
+    c6 = count_ops(partitioned.solve, *random_system(10**6, seed=10**6)).compute
+    assert c6 / c4 < 1.5 and c6 < 2500
+
+
+@pytest.mark.slow
+def test_partitioned_matches_lapack_on_a_large_system():
+    large = random_system(10**5, seed=5)
+    xp = tridiagonal_solve(*large, driver="partitioned")
+    xl = tridiagonal_solve(*large, driver="lapack")
+    assert (xp - xl).abs().max() / xl.abs().max() < 1e-10
+
+
+@pytest.mark.slow
+def test_partitioned_gradients_pass_gradcheck_in_both_modes():
+    system = [t.requires_grad_() for t in random_system(70, k=2, seed=6)]
+    assert gradcheck(functools.partial(tridiagonal_solve, driver="partitioned"), system, check_forward_ad=True)
+
+
+@pytest.mark.parametrize("block", [0, 2])
+def test_a_singular_block_falls_back_to_lapacks_answer(block):
+    lower, diag, upper, rhs = random_system(70, seed=7)
+    last = 5 * block + 3  # the last row of the block
+    lower[last - 1], diag[last] = 0.0, 0.0
+    assert torch.linalg.matrix_rank(to_dense(lower[last - 3:last], diag[last - 3:last + 1], upper[last - 3:last])) == 3
+    assert torch.linalg.matrix_rank(to_dense(lower, diag, upper)) == 70
+    x, seq, part = sequential_calls(lambda: tridiagonal_solve(lower, diag, upper, rhs, driver="partitioned"))
+    assert (seq, part) == (1, 1)
+    assert (x - tridiagonal_solve(lower, diag, upper, rhs, driver="lapack")).abs().max() < 1e-10
+
+
+def test_partitioned_matches_lapack_and_its_derivatives():
+    system = random_system(2000, k=2, seed=5)
+    xp = tridiagonal_solve(*system, driver="partitioned")
+    xl = tridiagonal_solve(*system, driver="lapack")
+    assert (xp - xl).abs().max() / xl.abs().max() < 1e-10
+    weights = torch.randn(2000, 2, dtype=F64, generator=torch.Generator().manual_seed(1))
+
+    def grads(driver):
+        inputs = [t.clone().requires_grad_() for t in system]
+        return torch.autograd.grad((tridiagonal_solve(*inputs, driver=driver) * weights).sum(), inputs)
+
+    for gp, gl in zip(grads("partitioned"), grads("lapack")):
+        assert (gp - gl).abs().max() <= 1e-10 * gl.abs().max()
+
+
+def test_a_singular_matrix_raises_on_every_driver():
+    lower, diag, upper, _ = random_system(64, seed=8)
+    lower[3], upper[5] = 0.0, 0.0
+    lower[4], diag[5] = 0.5 * diag[4], 0.5 * upper[4]
+    ones = torch.ones(64, 1, dtype=F64)
+    unchecked = partitioned.solve_unchecked(lower, diag, upper, ones)
+    assert not torch.isfinite(unchecked).all() or unchecked.abs().max() > 1e12
+    drivers = ["lapack", "partitioned"] + (["cpp"] if tridiag_tutorial.cpp_available() else [])
+    for driver in drivers:
+        with pytest.raises(tridiag_tutorial.SingularMatrixError) as info:
+            tridiagonal_solve(lower, diag, upper, ones[:, 0], driver=driver)
+        assert info.value.pivot == 63

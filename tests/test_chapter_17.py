@@ -1,0 +1,135 @@
+"""Chapter 17 (the operator past one machine): the claims the chapter's text makes from its cells,
+recomputed with the package, so that the chapter shows values and not asserts. The workers that a
+spawned rank runs are defined here, at the top level of this module, which the ranks import."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tridiag_tutorial import distributed, tridiag_matmul, tridiagonal_lu_factor, tridiagonal_solve
+from tridiag_tutorial.book import parallel_demos
+from tridiag_tutorial.book.multiprocess import WorkerError, run_on_ranks
+
+F64 = torch.float64
+
+
+def _max_difference(parameters, expected):
+    return max((parameters[name] - expected[name]).abs().max().item() for name in expected)
+
+
+def _backward_error(lower, diag, upper, rhs, x):
+    residual = rhs - tridiag_matmul(lower, diag, upper, x[:, None])[:, 0]
+    scale = tridiag_matmul(lower.abs(), diag.abs(), upper.abs(), x.abs()[:, None])[:, 0] + rhs.abs()
+    return (residual.abs() / scale).max().item()
+
+
+def row_sharded_worker(rank, world_size, n):
+    """The chapter's local_map worker: split_solve on a DTensor sharded along n."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+    from torch.distributed.tensor.experimental import local_map
+
+    solve = local_map(distributed.split_solve, out_placements=[Shard(0)], in_placements=([Shard(0)],) * 4)
+    mesh = init_device_mesh("cpu", (world_size,))
+    lower, diag, upper, rhs = parallel_demos.random_system(n)
+    bands = F.pad(lower, (1, 0)), diag, F.pad(upper, (0, 1)), rhs
+    x = solve(*(distribute_tensor(t, mesh, [Shard(0)]) for t in bands))
+    return {"placements": tuple(x.placements), "local": x.to_local(), "x": x.full_tensor()}
+
+
+def test_unequal_slices_need_each_rank_to_scale_its_sum():
+    model = parallel_demos.BandedSolveModel()
+    features, targets = parallel_demos.make_data(30)
+    with torch.no_grad():
+        squared = (model(features) - targets).square().mean(dim=1)
+    slices = [squared[a:b] for a, b in [(0, 8), (8, 16), (16, 23), (23, 30)]]
+    mean_of_means = sum(s.mean() for s in slices) / 4
+    fixed = sum(s.sum() * 4 / 30 for s in slices) / 4
+    assert abs(mean_of_means - squared.mean()) > 1e-4
+    assert abs(fixed - squared.mean()) < 1e-12
+
+
+def test_gathering_a_row_sharded_system_moves_4n_entries():
+    n = 10**6
+    for world_size, megabytes in ((2, 16.0), (4, 24.0)):
+        received = (4 * n - 2) * 8 * (world_size - 1) / world_size
+        assert round(received / 1e6, 1) == megabytes
+
+
+@pytest.mark.slow
+def test_data_parallel_and_fsdp_give_the_parameters_of_one_process():
+    reference = parallel_demos.train_one_process()
+    untrained = parallel_demos.BandedSolveModel().state_dict()
+    assert _max_difference(reference["parameters"], untrained) > 1e-3
+    for ranks in (run_on_ranks(parallel_demos.ddp_worker, 2), run_on_ranks(parallel_demos.fsdp_worker, 2)):
+        for r in ranks:
+            assert _max_difference(r["parameters"], ranks[0]["parameters"]) == 0
+            assert _max_difference(r["parameters"], reference["parameters"]) < 1e-12
+            torch.testing.assert_close(torch.tensor(r["losses"]), torch.tensor(reference["losses"]),
+                                       rtol=1e-12, atol=0)
+            assert r["band_types"] == ("Parameter",) * 3
+    assert [r["stored"]["lower"][2] for r in ranks] == [(8,), (7,)]
+    assert all(kind == "DTensor" for kind, _, _ in ranks[0]["stored"].values())
+
+
+@pytest.mark.slow
+def test_an_uneven_batch_is_refused_on_the_ranks():
+    with pytest.raises(WorkerError) as info:
+        run_on_ranks(parallel_demos.ddp_worker, 2, parallel_demos.STEPS, parallel_demos.LR, 31)
+    assert info.value.type_name == "ValueError" and "does not split evenly" in info.value.worker_message
+
+
+@pytest.mark.slow
+def test_dtensor_layouts_without_and_with_rules():
+    without = run_on_ranks(parallel_demos.dtensor_worker, 2, False)
+    messages = {result["error"] for ranks in without for result in ranks.values()}
+    assert messages == {"NotImplementedError: Operator tridiag_tutorial.solve_kernel.default does not "
+                        "have a sharding strategy registered."}
+    with_rules = run_on_ranks(parallel_demos.dtensor_worker, 2, True)
+    for r in with_rules:
+        for result in r.values():
+            assert "error" not in result, result
+            assert result["max |x - plain|"] < 1e-14 and result["max |grad - plain|"] < 1e-14
+    outputs = {name: result["output"] for name, result in with_rules[0].items()}
+    assert outputs == {"batch sharded": "(Shard(dim=0),)", "columns sharded": "(Shard(dim=1),)",
+                       "replicated": "(Replicate(),)", "rows (n) sharded": "(Replicate(),)"}
+
+
+@pytest.mark.slow
+def test_local_map_runs_the_split_solve_on_a_row_sharded_dtensor():
+    n = 10**4
+    ranks = run_on_ranks(row_sharded_worker, 2, n)
+    system = parallel_demos.random_system(n)
+    x_lapack = tridiagonal_solve(*system, driver="lapack")
+    pieces = [r["local"] for r in ranks]
+    assert [p.shape[0] for p in pieces] == [n // 2, n // 2]
+    assert all("Shard(dim=0)" in str(r["placements"]) for r in ranks)
+    assert (torch.cat(pieces) - x_lapack).abs().max() / x_lapack.abs().max() < 1e-10
+    assert torch.equal(ranks[0]["x"], torch.cat(pieces))
+
+
+@pytest.mark.slow
+def test_the_split_solve_is_accurate_and_sends_a_fixed_amount():
+    n = 10**6
+    system = parallel_demos.random_system(n)
+    x_lapack = tridiagonal_solve(*system, driver="lapack")
+    pivots = tridiagonal_lu_factor(*system[:3]).pivots
+    swaps = (pivots != torch.arange(1, n + 1, dtype=pivots.dtype)).sum().item()
+    assert 0.05 < swaps / n < 0.1
+    assert _backward_error(*system, x_lapack) < 1e-13
+    small = run_on_ranks(parallel_demos.split_solve_worker, 2, 10**4)
+    for world_size in (2, 4):
+        ranks = run_on_ranks(parallel_demos.split_solve_worker, world_size, n)
+        x = torch.cat([r["x"] for r in ranks])
+        assert (x - x_lapack).abs().max() / x_lapack.abs().max() < 1e-10
+        assert _backward_error(*system, x) < 1e-15
+        assert all(r["fallbacks"] == {"split_solve": 0, "gather_solve": 0} for r in ranks)
+        assert all(r["sent"]["split_solve"] < 10_000 for r in ranks)
+        assert all(r["sent"]["gather_solve"] > 10**7 for r in ranks)
+        formula = distributed.communication(n, world_size)
+        assert all(r["sent"][name] == formula[name]["sent"] for r in ranks for name in formula
+                   if name in r["sent"])
+    # the split solve's bytes do not grow with n; the gather's grow about a hundredfold
+    big = run_on_ranks(parallel_demos.split_solve_worker, 2, n)
+    assert small[0]["sent"]["split_solve"] == big[0]["sent"]["split_solve"]
+    assert big[0]["sent"]["gather_solve"] > 90 * small[0]["sent"]["gather_solve"]
