@@ -1,0 +1,148 @@
+"""Chapter 8's minimal operator (tridiag_tutorial.book.minimal_op): right answers, or a clear error."""
+
+import pytest
+import torch
+import torch.autograd.forward_ad as fwAD
+from torch.func import grad, hessian, jacfwd, jacrev, jvp, vjp, vmap
+
+from tridiag_tutorial.book.minimal_op import solve, solve_op
+from tridiag_tutorial.reference import to_dense
+
+F64 = torch.float64
+
+
+def system(n=7, batch=(), dtype=F64, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    randn = lambda *s: torch.randn(*s, generator=g, dtype=F64).to(dtype)
+    sign = torch.where(torch.rand(*batch, n, generator=g) < 0.5, -1.0, 1.0).to(dtype)
+    return randn(*batch, n - 1), (1.5 + randn(*batch, n).abs()) * sign, randn(*batch, n - 1), randn(*batch, n)
+
+
+def dense(dl, d, du, b):
+    """The dense reference: inv(A) @ b (torch.linalg.solve is wrong under some nested transforms)."""
+    return (torch.linalg.inv(to_dense(dl, d, du)) @ b.unsqueeze(-1)).squeeze(-1)
+
+
+def close(a, b):
+    torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.parametrize("dtype", [F64, torch.complex128])
+def test_values_match_the_dense_solve(dtype):
+    args = system(9, batch=(3,), dtype=dtype)
+    close(solve(*args), dense(*args))
+
+
+@pytest.mark.slow
+def test_opcheck_passes():
+    args = [t.requires_grad_() for t in system(6, batch=(2,))]
+    result = torch.library.opcheck(solve_op, args)
+    assert set(result.values()) == {"SUCCESS"}, result
+
+
+def test_gradcheck_reverse_and_forward():
+    args = [t.requires_grad_() for t in system(5)]
+    assert torch.autograd.gradcheck(solve, args, check_forward_ad=True, check_batched_grad=True)
+    assert torch.autograd.gradgradcheck(solve, args)
+
+
+def test_dense_gradients_match():
+    dl, d, du, b = system(6)
+    loss = lambda f: (lambda *a: f(*a).pow(3).sum())
+    for got, want in zip(grad(loss(solve), argnums=(0, 1, 2, 3))(dl, d, du, b),
+                         grad(loss(dense), argnums=(0, 1, 2, 3))(dl, d, du, b)):
+        close(got, want)
+
+
+def test_transforms_match_the_dense_reference():
+    dl, d, du, b = system(6)
+    of_d = lambda f: (lambda x: f(dl, x, du, b))
+    cube = lambda f: (lambda x: f(dl, x, du, b).pow(3).sum())
+    close(jacrev(of_d(solve))(d), jacrev(of_d(dense))(d))
+    close(jacfwd(of_d(solve))(d), jacrev(of_d(dense))(d))
+    close(jvp(of_d(solve), (d,), (torch.ones_like(d),))[1], jacrev(of_d(dense))(d).sum(1))
+    close(vjp(of_d(solve), d)[1](torch.ones_like(b))[0], jacrev(of_d(dense))(d).sum(0))
+    close(hessian(cube(solve))(d), hessian(cube(dense))(d))
+    close(jacrev(jacfwd(cube(solve)))(d), hessian(cube(dense))(d))
+    bs = system(6, batch=(4,), seed=1)[3]
+    close(vmap(lambda r: solve(dl, d, du, r))(bs), dense(dl, d, du, bs))
+    ds = system(6, batch=(4,), seed=2)[1]
+    close(vmap(grad(cube(solve)))(ds), vmap(grad(cube(dense)))(ds))
+    with fwAD.dual_level():
+        tangent = fwAD.unpack_dual(solve(dl, fwAD.make_dual(d, torch.ones_like(d)), du, b)).tangent
+    close(tangent, jacrev(of_d(dense))(d).sum(1))
+
+
+def test_forward_over_forward_raises():
+    dl, d, du, b = system(6)
+    cube = lambda x: solve(dl, x, du, b).pow(3).sum()
+    with pytest.raises(NotImplementedError, match="forward over forward"):
+        jacfwd(jacfwd(cube))(d)
+    with pytest.raises(NotImplementedError, match="forward over forward"):
+        jvp(lambda x: jvp(cube, (x,), (torch.ones_like(x),))[1], (d,), (torch.ones_like(d),))
+    jacfwd(cube)(d)  # one level still works after the error
+
+
+@pytest.mark.slow
+def test_compiled_forward_and_backward():
+    dl, d, du, b = system(6)
+    torch.compiler.reset()
+    loss = torch.compile(lambda x: solve(dl, x, du, b).pow(3).sum(), backend="aot_eager", fullgraph=True)
+    x = d.clone().requires_grad_()
+    value = loss(x)
+    close(value, dense(dl, d, du, b).pow(3).sum())
+    close(torch.autograd.grad(value, x)[0], grad(lambda y: dense(dl, y, du, b).pow(3).sum())(d))
+    compiled_vmap = torch.compile(vmap(lambda r: solve(dl, d, du, r)), backend="aot_eager", fullgraph=True)
+    bs = system(6, batch=(3,), seed=1)[3]
+    close(compiled_vmap(bs), dense(dl, d, du, bs))
+    torch.compiler.reset()
+
+
+@pytest.mark.slow
+def test_compiled_forward_mode_raises():
+    dl, d, du, b = system(6)
+    ones = torch.ones_like(d)
+
+    def dual_numbers():
+        with fwAD.dual_level():
+            return fwAD.unpack_dual(solve(dl, fwAD.make_dual(d, ones), du, b)).tangent
+
+    tangent = lambda: jvp(lambda x: solve(dl, x, du, b), (d,), (ones,))[1]
+    for job in (tangent, dual_numbers):
+        torch.compiler.reset()
+        with pytest.raises(Exception, match="forward-mode AD .* inside torch.compile is not supported"):
+            torch.compile(job, backend="aot_eager", fullgraph=True)()
+        torch.compiler.reset()  # without fullgraph, the op itself refuses the tangent at run time
+        with pytest.raises(NotImplementedError, match="forward-mode AD reached the op"):
+            torch.compile(job, backend="aot_eager")()
+    torch.compiler.reset()
+    with pytest.raises(NotImplementedError, match="forward-mode AD reached the op"):
+        jvp(torch.compile(lambda x: solve(dl, x, du, b), backend="aot_eager"), (d,), (ones,))
+    torch.compiler.reset()
+
+
+@pytest.mark.slow
+def test_compiled_grad_raises_and_grad_of_compiled_works():
+    dl, d, du, b = system(6)
+    torch.compiler.reset()
+    job = lambda: grad(lambda x: solve(dl, x, du, b).sum())(d)
+    with pytest.raises(Exception, match="setup_context"):
+        torch.compile(job, backend="aot_eager", fullgraph=True)()
+    torch.compiler.reset()
+    compiled = torch.compile(lambda x: solve(dl, x, du, b).sum(), backend="aot_eager")
+    close(grad(compiled)(d), grad(lambda x: dense(dl, x, du, b).sum())(d))
+    torch.compiler.reset()
+
+
+def test_the_op_alone_refuses_dual_numbers():
+    dl, d, du, b = system(6)
+    with fwAD.dual_level(), pytest.raises(NotImplementedError, match="forward-mode AD reached the op"):
+        solve_op(dl, fwAD.make_dual(d, torch.ones_like(d)), du, b)
+
+
+def test_a_direct_apply_of_the_function_leaves_no_state_behind():
+    from tridiag_tutorial.book.minimal_op import SolveFunction
+    dl, d, du, b = system(6)
+    of_d = lambda x: SolveFunction.apply(dl, x, du, b)
+    jvp(of_d, (d,), (torch.ones_like(d),))
+    close(jacfwd(lambda x: solve(dl, x, du, b))(d), jacrev(lambda x: dense(dl, x, du, b))(d))

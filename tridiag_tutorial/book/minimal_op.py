@@ -1,0 +1,173 @@
+r"""Chapter 8: an operator you can copy, a tridiagonal solve on public torch APIs only.
+
+``solve(dl, d, du, b)`` returns ``x`` with ``A x = b``, where ``A`` has the sub-diagonal ``dl``
+``(..., n-1)``, the diagonal ``d`` ``(..., n)`` and the super-diagonal ``du`` ``(..., n-1)``, and
+``b`` is ``(..., n)``; all four share one batch shape (no broadcasting). CPU, real or complex.
+
+Two public mechanisms, each with a gap on torch 2.13, and ``solve`` picks between them:
+
+- the custom op ``tridiag_minimal::solve`` (``custom_op``, ``register_fake``,
+  ``register_autograd``, ``register_vmap``) is what ``torch.compile`` sees: one opaque node that
+  passes ``opcheck`` and compiles with ``fullgraph=True``; but its ``register_autograd`` raises under
+  ``torch.func.grad`` and returns zero tangents under forward mode;
+- the ``autograd.Function`` ``SolveFunction`` (``setup_context``, ``backward``, ``jvp``, ``vmap``)
+  calls the same op and works with every eager ``torch.func`` transform and forward-mode AD; but
+  Dynamo refuses a Function with a ``jvp`` under ``fullgraph=True``.
+
+So eager code runs the Function and traced code the op. Where neither is right (forward mode
+inside ``torch.compile``, forward over forward), ``solve`` raises instead of answering wrongly.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+import torch.autograd.forward_ad as fwAD
+
+from tridiag_tutorial.kernels import lapack
+
+__all__ = ["solve"]  # solve_op and SolveFunction are its parts: call solve
+
+
+# [book: minimal-op]
+@torch.library.custom_op("tridiag_minimal::solve", mutates_args=(), device_types="cpu")
+def solve_op(dl: torch.Tensor, d: torch.Tensor, du: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """The kernel: LAPACK ``?gtsv`` through NumPy, opaque to the compiler."""
+    _refuse_tangents(dl, d, du, b)
+    x = lapack.solve(*(t.detach().resolve_conj().resolve_neg().numpy() for t in (dl, d, du, b.unsqueeze(-1))))
+    return torch.from_numpy(x).squeeze(-1).contiguous()
+
+
+@solve_op.register_fake
+def _(dl, d, du, b):
+    return torch.empty_like(b, memory_format=torch.contiguous_format)  # shape, dtype, strides
+# [/book: minimal-op]
+
+
+# [book: minimal-rules]
+def _refuse_tangents(*tensors):
+    """The op has no forward-mode rule: a tangent that reaches it would be dropped, so raise."""
+    try:
+        lost = any(fwAD.unpack_dual(t).tangent is not None for t in tensors)
+    except RuntimeError:  # a compiled graph at run time cannot unpack: a dual level is active
+        lost = True
+    if lost:
+        raise NotImplementedError(
+            "tridiag_minimal.solve: forward-mode AD reached the op, which has no forward rule "
+            "(compiled code, or the op called directly); use forward mode on uncompiled calls of solve")
+
+
+def _matmul(dl, d, du, x):
+    """``A @ x`` in O(n); a ``None`` band counts as zero."""
+    out = torch.zeros_like(x) if d is None else d * x
+    pad = x[..., :1] * 0
+    if dl is not None:
+        out = out + torch.cat([pad, dl * x[..., :-1]], -1)
+    if du is not None:
+        out = out + torch.cat([du * x[..., 1:], pad], -1)
+    return out
+
+
+def _backward(solve, dl, d, du, x, g):
+    """Reverse mode (chapter 3): ``v = A^{-H} g``; ``grad b = v``, ``grad A = -v x^H`` on the bands."""
+    v = solve(du.conj(), d.conj(), dl.conj(), g)
+    xc = x.conj()
+    return -v[..., 1:] * xc[..., :-1], -v * xc, -v[..., :-1] * xc[..., 1:], v
+
+
+def _jvp(solve, dl, d, du, x, tdl, td, tdu, tb):
+    """Forward mode (chapter 3): ``dx = A^{-1} (db - dA x)``; a ``None`` tangent counts as zero."""
+    r = -_matmul(tdl, td, tdu, x)
+    return solve(dl, d, du, r if tb is None else r + tb)
+
+
+def _batched(info, in_dims, *args):
+    """For a vmap rule: every argument with its batch dimension first, of size ``info.batch_size``."""
+    return [a.movedim(i, 0) if i is not None else a.expand(info.batch_size, *a.shape)
+            for a, i in zip(args, in_dims)]
+# [/book: minimal-rules]
+
+
+# [book: minimal-registrations]
+def _setup_context(ctx, inputs, output):
+    dl, d, du, _ = inputs
+    ctx.save_for_backward(dl, d, du, output)
+
+
+def _op_backward(ctx, g):
+    return _backward(solve_op, *ctx.saved_tensors, g)  # the op again: double backward works
+
+
+solve_op.register_autograd(_op_backward, setup_context=_setup_context)
+
+
+@solve_op.register_vmap
+def _(info, in_dims, dl, d, du, b):
+    return solve_op(*_batched(info, in_dims, dl, d, du, b)), 0  # the kernel takes any batch
+# [/book: minimal-registrations]
+
+
+# [book: minimal-function]
+class SolveFunction(torch.autograd.Function):
+    """The op with a forward-mode rule, for eager code (``torch.func`` and dual numbers)."""
+
+    @staticmethod
+    def forward(dl, d, du, b):
+        return solve_op(dl, d, du, b)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        dl, d, du, _ = inputs
+        ctx.save_for_backward(dl, d, du, output)
+        ctx.save_for_forward(dl, d, du, output)
+
+    @staticmethod
+    def backward(ctx, g):
+        return _backward(solve, *ctx.saved_tensors, g)  # differentiable: any order
+
+    @staticmethod
+    def jvp(ctx, tdl, td, tdu, tb):
+        _count_forward_level()
+        dl, d, du, x = ctx.saved_tensors
+        return _jvp(solve, dl, d, du, x, tdl, td, tdu, tb)
+
+    @staticmethod
+    def vmap(info, in_dims, dl, d, du, b):
+        return solve(*_batched(info, in_dims, dl, d, du, b)), 0
+# [/book: minimal-function]
+
+
+# [book: minimal-solve]
+_calls = threading.local()  # forward levels seen during one call of solve, per thread
+
+
+def _count_forward_level():
+    """torch skips an outer forward level inside a Function's ``jvp``: refuse a second level."""
+    if getattr(_calls, "levels", None) is None:  # SolveFunction applied without solve: not counted
+        return
+    _calls.levels += 1
+    if _calls.levels > 1:
+        raise NotImplementedError(
+            "tridiag_minimal.solve: forward over forward (jvp of jvp, jacfwd of jacfwd) is not "
+            "supported; take the outer derivative in reverse mode: jacrev(jacfwd(f)), or hessian(f)")
+
+
+def solve(dl: torch.Tensor, d: torch.Tensor, du: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``x = A^{-1} b``. Eager: the Function, which every transform accepts. Traced
+    (``torch.compile``, ``torch.export``): the op, which Dynamo accepts under ``fullgraph=True``;
+    it has no forward-mode rule, so forward mode raises there."""
+    if torch.compiler.is_compiling():
+        if any(fwAD.unpack_dual(t).tangent is not None for t in (dl, d, du, b)):
+            raise NotImplementedError(
+                "tridiag_minimal.solve: forward-mode AD (jvp, jacfwd, dual numbers) inside "
+                "torch.compile is not supported; use forward mode on uncompiled calls of solve")
+        return solve_op(dl, d, du, b)
+    if getattr(_calls, "levels", None) is not None:  # a solve inside a rule of this solve
+        return SolveFunction.apply(dl, d, du, b)
+    _calls.levels = 0
+    try:
+        return SolveFunction.apply(dl, d, du, b)
+    finally:
+        _calls.levels = None
+# [/book: minimal-solve]
