@@ -8,7 +8,6 @@ from pathlib import Path
 import pytest
 
 import tridiag_tutorial
-from tridiag_tutorial.book import internals
 from tridiag_tutorial.book.source import excerpt, tags
 
 NOTEBOOKS = sorted((Path(__file__).parent.parent / "notebooks").glob("*.ipynb"))
@@ -71,7 +70,3 @@ def test_no_chapter_calls_a_private_name_of_the_package():
     found = [(where, m.group(0)) for where, source in code_cells() for m in PRIVATE.finditer(source)]
     assert not found, found
 
-
-def test_the_internals_the_chapters_call_exist():
-    for name in internals.__all__:
-        assert callable(getattr(internals, name)), name

@@ -1,6 +1,6 @@
 r"""The public functions, :func:`tridiagonal_solve` and the LU pair: the result of the whole tutorial.
 
-Design (chapter 8 explains it; chapter 5 shows the traps it gets around)::
+Design (chapter 13 explains it; chapter 5 shows the traps it gets around)::
 
     tridiagonal_solve(lower, diag, upper, rhs, driver=None)
         |-- driver=None, CPU, no transform, mode or compilation, the automatic choice is the
@@ -41,7 +41,7 @@ schemas itself. The two shortcuts (the C++ fast path, the direct kernel call) an
 inside the Functions each have a switch (:mod:`tridiag_tutorial._routes`), which the benchmark
 harness turns off to measure what each one buys.
 
-What does not compose, and raises instead of answering wrongly (chapter 8's support table):
+What does not compose, and raises instead of answering wrongly (chapter 13's support table):
 
 - nested differentiation (``hessian``, ``jacfwd(jacrev(f))``, ``grad(grad(f))``) *inside*
   ``torch.compile``: a single-level Function differentiates at one level only. The error says so
@@ -63,7 +63,8 @@ about twice a solve with the factors, so when a backward pass will follow, the p
 factors ``A = LU`` once (:func:`tridiagonal_lu_factor`'s op) and the backward solves
 ``A^H v = g`` from the same factors. With LAPACK it does not pay: ``?gtsv`` factors and solves in
 one sweep, so ``?gttrf`` + two ``?gttrs`` do nearly the work of two ``?gtsv``, and over a whole
-forward and backward keeping the factors does not pay (chapter 13 shows the measurements); the
+forward and backward keeping the factors does not pay (the benchmark suite's ``factor_reuse``
+rows measured it); the
 backward calls ``?gtsv`` with ``A^H``.
 
 Factorization as a feature: :func:`tridiagonal_lu_factor` returns :class:`TridiagonalFactors`, and

@@ -197,8 +197,7 @@ def _apply(*args):
 
 def _differentiable_solve(lower, diag, upper, rhs, driver: str | None = None):
     """The differentiable solve of validated inputs through :class:`_TridiagonalSolve` (the
-    Function that ``torch.func`` needs); chapter 8 compiles it to show what Dynamo does with such
-    a Function."""
+    Function that ``torch.func`` needs)."""
     return _TridiagonalSolve.apply(lower, diag, upper, rhs, None, None, "N",
                                    kernels.resolve_driver(driver, rhs))
 
