@@ -114,3 +114,92 @@ def test_cpu_only():
         LapackTridiagonalSolve.apply(*meta[:3], meta[3].unsqueeze(-1))
     out = tt.tridiagonal_solve(*meta)
     assert out.device.type == "meta" and out.shape == (5,) and out.dtype == torch.float64
+
+
+@pytest.mark.slow
+def test_the_break_count_follows_the_code_path_and_plain_numpy_is_traced():
+    """A vector rhs adds two one-operation graphs (the wrapper's unsqueeze and squeeze) to the
+    matrix rhs's graphs; the breaks are at SciPy's wrapper or a branch, never at a NumPy reshape."""
+    lower, diag, upper, rhs = make_system(5, seed=50)
+
+    def loss(*a):
+        return tridiagonal_solve_function(*a).pow(2).sum()
+
+    def sizes(b):
+        torch._dynamo.reset()
+        explanation = torch._dynamo.explain(loss)(lower, diag, upper, b)
+        assert explanation.graph_break_count == explanation.graph_count - 1
+        return [sum(n.op in ("call_function", "call_method") for n in g.graph.nodes) for g in explanation.graphs], explanation
+
+    vector_sizes, vector = sizes(rhs)
+    matrix_sizes, _ = sizes(torch.randn(5, 3, dtype=torch.float64))
+    torch._dynamo.reset()
+    assert len(vector_sizes) == len(matrix_sizes) + 2
+    assert vector_sizes[0] == vector_sizes[-2] == 1
+    assert all(size > 0 for size in vector_sizes + matrix_sizes)
+    stops = {reason.user_stack[-1].filename.split("/")[-1] for reason in vector.break_reasons}
+    assert stops <= {"blas.py", "lapack.py"}
+
+
+def _thomas(lower, diag, upper, rhs):
+    n = diag.shape[-1]
+    c, y = [upper[0] / diag[0]], [rhs[0] / diag[0]]
+    for i in range(1, n):
+        denom = diag[i] - lower[i - 1] * c[i - 1]
+        if i < n - 1:
+            c.append(upper[i] / denom)
+        y.append((rhs[i] - lower[i - 1] * y[i - 1]) / denom)
+    x = [y[-1]]
+    for i in range(n - 2, -1, -1):
+        x.insert(0, y[i] - c[i] * x[0])
+    return torch.stack(x)
+
+
+@pytest.mark.slow
+def test_a_python_loop_in_torch_ops_compiles_to_one_graph_per_n_growing_with_n():
+    sizes = []
+
+    def count(graph_module, example_inputs):
+        sizes.append(sum(n.op in ("call_function", "call_method") for n in graph_module.graph.nodes))
+        return graph_module.forward
+
+    torch._dynamo.reset()
+    compiled = torch.compile(_thomas, backend=count, fullgraph=True)
+    for n in (5, 10, 5):
+        args = make_system(n, seed=51, dominant=True)
+        assert_close(compiled(*args), dense_solve(*args))
+    torch._dynamo.reset()
+    assert len(sizes) == 2 and sizes[1] > 1.5 * sizes[0]
+
+
+def test_vjp_fn_after_vjp_gets_plain_grad_x_and_saved_wrappers_that_detach_unwraps():
+    lower, diag, upper, rhs = make_system(5, seed=52)
+    seen = {}
+
+    def has_storage(t):
+        try:
+            t.data_ptr()
+            return True
+        except RuntimeError:
+            return False
+
+    class Peek(torch.autograd.Function):
+        @staticmethod
+        def forward(d):
+            return d * 2
+
+        @staticmethod
+        def setup_context(ctx, inputs, output):
+            ctx.save_for_backward(inputs[0])
+
+        @staticmethod
+        def backward(ctx, g):
+            (saved,) = ctx.saved_tensors
+            seen.update(grad=has_storage(g), saved=has_storage(saved), detached=has_storage(saved.detach()))
+            return 2 * g
+
+    _, vjp_fn = torch.func.vjp(Peek.apply, diag)
+    vjp_fn(torch.ones_like(diag))
+    assert seen == {"grad": True, "saved": False, "detached": True}
+    torch.func.grad(lambda d: Peek.apply(d).sum())(diag)
+    assert seen == {"grad": False, "saved": False, "detached": False}
