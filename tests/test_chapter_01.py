@@ -52,10 +52,32 @@ def test_at_the_smallest_step_the_forward_difference_is_zero():
 
 
 def test_gradchecks_step_is_fine_in_float64_and_useless_in_float32():
-    err = {dtype: abs(central_difference(torch.sin, torch.tensor(X0, dtype=dtype), 1e-6).item() - EXACT)
+    xs = torch.linspace(0.5, 1.5, 101, dtype=torch.float64)
+    tolerance = 1e-5 + 1e-3 * torch.cos(xs).abs()  # gradcheck's atol + rtol * |numerical|
+    err = {dtype: (central_difference(torch.sin, xs.to(dtype), 1e-6).double() - torch.cos(xs)).abs()
            for dtype in (torch.float64, torch.float32)}
-    assert err[torch.float64] < 1e-9
-    assert err[torch.float32] > 100 * 1e-5  # over a hundred times gradcheck's default atol
+    assert (err[torch.float64] < 1e-6 * tolerance).all()
+    assert (err[torch.float32] > tolerance).all()
+    one = torch.tensor(X0, dtype=torch.float32)
+    assert abs(((one + 1e-6) - (one - 1e-6)).item() / 2 / 1e-6 - 1) > 0.01  # the float32 step is rounded
+
+
+def test_gradcheck_warns_and_fails_in_float32():
+    with pytest.warns(UserWarning, match="not a double precision"):
+        with pytest.raises(GradcheckError, match="^Jacobian mismatch"):
+            torch.autograd.gradcheck(torch.sin, (torch.tensor([X0], requires_grad=True),))
+
+
+@pytest.mark.parametrize("kind", ["forward", "central"])
+def test_the_mean_error_bottoms_out_at_the_rule_of_thumb_to_a_power_of_ten(kind):
+    points = np.random.default_rng(1).uniform(0.5, 1.5, size=100)
+    if kind == "forward":
+        mean = [np.abs((np.sin(points + h) - np.sin(points)) / h - np.cos(points)).mean() for h in STEPS]
+    else:
+        mean = [np.abs((np.sin(points + h) - np.sin(points - h)) / (2 * h) - np.cos(points)).mean()
+                for h in STEPS]
+    best = STEPS[int(np.argmin(mean))]
+    assert round(math.log10(best)) == round(math.log10(optimal_step(kind)))
 
 
 def test_autograd_matches_the_closed_form_and_finite_differences():
@@ -81,9 +103,12 @@ class NeoReLU(torch.autograd.Function):
     """The chapter's NeoReLU, backward ignoring grad_output."""
 
     @staticmethod
-    def forward(ctx, x):
-        ctx.save_for_backward(x)
+    def forward(x):
         return torch.where(x > 0, x, -0.1)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.save_for_backward(inputs[0])
 
     @staticmethod
     def backward(ctx, grad_output):
@@ -129,3 +154,9 @@ def test_the_exercises_five_point_stencil_and_complex_step():
     z = torch.tensor(X0 + 1e-20j, dtype=torch.complex128)
     assert abs(torch.sin(z).imag.item() / 1e-20 - EXACT) < 1e-15
     assert central_difference(math.sin, X0, 1e-20) == 0.0
+
+
+def test_the_setup_context_form_works_with_torch_func():
+    x = torch.tensor([1.6, -0.4, 0.7], dtype=torch.float64)
+    g = torch.func.grad(lambda t: (3 * NeoReLUFixed.apply(t)).sum())(x)
+    assert torch.equal(g, torch.tensor([3.0, 0.0, 3.0], dtype=torch.float64))

@@ -1,7 +1,7 @@
 """Chapter 3's claims, recomputed: the band gradients are the three central diagonals of the dense
 gradient -v x^H, A^T and A^H are the swapped (and conjugated) bands, the backward rule makes one
 solve on them, the conjugations matter for complex inputs, a custom op with only a reverse rule
-gives zero tangents under torch.func.jvp, and PyTorch's derivatives.yaml pairs both rules for its
+gives zero tangents under torch.func.jvp, JAX's tridiagonal solve carries the same rules, and PyTorch's derivatives.yaml pairs both rules for its
 dense solve."""
 
 import pathlib
@@ -96,3 +96,51 @@ def test_derivatives_yaml_pairs_a_reverse_and_a_forward_rule_for_the_dense_solve
     (entry,) = [e for e in path.read_text().split("\n\n") if e.strip().startswith("- name: _linalg_solve_ex(")]
     assert "A, B: linalg_solve_backward(grad, result, A, LU, pivots" in entry
     assert 'result: "linalg_solve_jvp(A_t, B_t, result, LU, pivots' in entry
+
+
+def test_finite_differences_agree_with_the_band_gradients_below_the_printed_bound():
+    from tridiag_tutorial.book.finite_diff import numerical_gradient
+
+    n, k = 7, 3
+    lower, diag, upper = bands(n)
+    gen = torch.Generator().manual_seed(2)
+    B = torch.randn(n, k, dtype=torch.float64, generator=gen)
+    T = torch.randn(n, k, dtype=torch.float64, generator=gen)
+
+    def loss(lower, diag, upper, B):
+        return 0.5 * (torch.linalg.solve(to_dense(lower, diag, upper), B) - T).square().sum()
+
+    X = tridiagonal_solve(lower, diag, upper, B)
+    grads = rules.solve_backward(tridiagonal_solve, lower, diag, upper, X, X - T)
+    for mine, fd in zip(grads, numerical_gradient(loss, (lower, diag, upper, B))):
+        assert (mine - fd).abs().max() < 1e-8
+
+
+def test_jaxs_tridiagonal_solve_carries_this_chapters_rules():
+    jax = pytest.importorskip("jax")
+    import numpy as np
+
+    jax.config.update("jax_enable_x64", True)
+    n = 6
+    lower, diag, upper = bands(n)
+    gen = torch.Generator().manual_seed(3)
+    b, g = torch.randn(n, dtype=torch.float64, generator=gen), torch.randn(n, dtype=torch.float64, generator=gen)
+    d_bands = [torch.randn_like(p) for p in (lower, diag, upper)]
+    db = torch.randn(n, dtype=torch.float64, generator=gen)
+
+    def jax_bands(lo, d, up):
+        return np.concatenate([[0.0], lo.numpy()]), d.numpy(), np.concatenate([up.numpy(), [0.0]])
+
+    primals = (*jax_bands(lower, diag, upper), b.numpy()[:, None])
+    solve = jax.lax.linalg.tridiagonal_solve
+    _, dx_jax = jax.jvp(solve, primals, (*jax_bands(*d_bands), db.numpy()[:, None]))
+    A = to_dense(lower, diag, upper)
+    x = torch.linalg.solve(A, b)
+    dx = torch.linalg.solve(A, db - to_dense(*d_bands) @ x)
+    assert np.abs(np.asarray(dx_jax)[:, 0] - dx.numpy()).max() < 1e-12
+    grads = jax.grad(lambda *p: (solve(*p)[:, 0] * g.numpy()).sum(), argnums=(0, 1, 2, 3))(*primals)
+    v = torch.linalg.solve(A.T, g)
+    ours = [-v[1:] * x[:-1], -v * x, -v[:-1] * x[1:], v]
+    theirs = [np.asarray(grads[0])[1:], np.asarray(grads[1]), np.asarray(grads[2])[:-1], np.asarray(grads[3])[:, 0]]
+    for mine, jx in zip(ours, theirs):
+        assert np.abs(mine.numpy() - jx).max() < 1e-12
