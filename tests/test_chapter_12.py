@@ -5,6 +5,7 @@ so that it runs opened alone); these tests check that the shipped rows are the s
 recompute each statement the prose makes about them."""
 
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -88,7 +89,7 @@ def test_same_cost_per_unknown_fixed_costs_several_times_apart(mode):
     assert a_op / a_jax > 3  # "several times over"
 
 
-def test_compiling_costs_at_small_n_and_little_on_a_batch():
+def test_compiling_costs_at_small_n_and_a_few_percent_on_a_batch():
     for threads in (1, 2):
         forward = t("compiled", 100, threads=threads) / t("op", 100, threads=threads)
         both = (t("compiled", 100, mode="backward", threads=threads)
@@ -96,7 +97,43 @@ def test_compiling_costs_at_small_n_and_little_on_a_batch():
         assert forward > 4 and 2.5 < both < 3.5
         for mode in ("forward", "backward"):
             q = t("compiled", 256, 1024, mode, threads) / t("op", 256, 1024, mode, threads)
-            assert 1 < q < 1.2  # "about as long as eager"
+            assert 1.05 < q < 1.17  # "6 to 16% longer"
+    extra = {(batch, mode, threads): t("compiled", n, batch, mode, threads) - t("op", n, batch, mode, threads)
+             for batch, n in ((0, 100), (1024, 256)) for mode in ("forward", "backward")
+             for threads in (1, 2)}
+    # "from about 40 µs forward and 150 µs forward + backward at n = 100 to 110 to 130 µs and 330 to
+    # 370 µs on the batch"
+    assert all(35e-6 < extra[0, "forward", k] < 45e-6 for k in (1, 2))
+    assert all(145e-6 < extra[0, "backward", k] < 160e-6 for k in (1, 2))
+    assert all(105e-6 < extra[1024, "forward", k] < 130e-6 for k in (1, 2))
+    assert all(325e-6 < extra[1024, "backward", k] < 380e-6 for k in (1, 2))
+    # "the forward's extra, 6% on one thread and 14% on two"
+    assert [round(100 * (t("compiled", 256, 1024, threads=k) / t("op", 256, 1024, threads=k) - 1))
+            for k in (1, 2)] == [6, 14]
+
+
+@pytest.mark.slow
+def test_the_compiled_graph_makes_no_copy_and_a_separate_backward_loop():
+    """What the prose reads in Inductor's code: the forward calls the kernel on views of the inputs
+    and returns a view (no copy); the backward adds a loop of Inductor's own for the band gradients."""
+    import torch
+    from torch._inductor.utils import run_and_get_code
+
+    import tridiag_tutorial as tt
+    from tridiag_tutorial.bench import benchmarks
+
+    torch._dynamo.reset()
+    args = [a.requires_grad_() for a in benchmarks.problem(256, 1024, torch.float64)]
+    solve = torch.compile(tt.tridiagonal_solve, fullgraph=True, dynamic=True)
+    _, codes = run_and_get_code(
+        lambda: torch.autograd.grad(solve(*args), args, torch.ones_like(args[3])))
+    forward, backward = ([c for c in codes if tag in c][0] for tag in ("forward", "backward"))
+    for code in (forward, backward):
+        call = code[code.index("def call("):]
+        assert "tridiag_tutorial.solve_kernel" in call
+        assert not any(word in call for word in ("clone", "copy_", "contiguous", "as_strided_scatter"))
+    assert "cpp_fused" not in forward[forward.index("def call("):]
+    assert "cpp_fused" in backward[backward.index("def call("):]
 
 
 def test_threads_help_the_kernels_batches_only():
@@ -107,8 +144,19 @@ def test_threads_help_the_kernels_batches_only():
     assert all(0.95 < q < 1.05 for (impl, *_), q in ratio.items() if impl == "lapack")
     assert all(q < 1.05 for (impl, *_), q in ratio.items() if impl == "jax")
     assert ratio["jax", 0, 1000] < 0.8
-    # "its single-system ratios, 0.99 and 1.15"
-    assert [round(ratio["op", 0, n], 2) for n in (1000, 10**5)] == [0.99, 1.15]
+
+
+def test_one_system_scatters_for_the_op_and_costs_jax_at_small_n():
+    ratio = {(impl, n): t(impl, n, threads=1) / t(impl, n, threads=2)
+             for impl in ("op", "jax") for n in SIZES}
+    # "scatter from 0.87 to 1.15 with no trend in n"
+    op = [ratio["op", n] for n in SIZES]
+    assert (round(min(op), 2), round(max(op), 2)) == (0.87, 1.15)
+    assert abs(np.corrcoef(np.log(SIZES), op)[0, 1]) < 0.5
+    # JAX: "0.59 at n = 1000, a cost that shrinks against the work as n grows, is absent at n = 100"
+    assert round(ratio["jax", 1000], 2) == 0.59
+    assert [ratio["jax", n] for n in SIZES[1:]] == sorted(ratio["jax", n] for n in SIZES[1:])
+    assert ratio["jax", 100] > 0.95 and ratio["jax", 10**6] > 0.95
 
 
 def test_a_busy_core_slowed_only_jaxs_two_threads_at_n_1000():
@@ -130,7 +178,7 @@ def test_only_the_poisson_matrix_loses_the_kernels_gain():
 def test_the_chapter_reads_no_file_of_the_repository():
     code = "\n".join("".join(c["source"]) for c in json.loads(CHAPTER.read_text())["cells"]
                      if c["cell_type"] == "code")
-    assert "data/" not in code and "Path(" not in code and "open(" not in code
+    assert "data/" not in code and "Path(" not in code and not re.search(r"(?<![\w.])open\(", code)
 
 
 @pytest.mark.slow
