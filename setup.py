@@ -48,6 +48,7 @@ DEPENDS = sorted(f"tridiag_tutorial/csrc/{name}" for name in os.listdir(
 INFO = "_build_info.json"
 NOTICE = ("tridiag_tutorial: the C++ kernel was not built ({why}); the package installs without "
           "it and solves on the CPU with LAPACK through SciPy.")
+# [book: setup-flags]
 CXX_FLAGS = [
     "-O3",  # no -march=native: the wheel must run on any x86-64 (or aarch64) CPU
     "-ffp-contract=off",  # no fused multiply-adds (aarch64 compilers fuse by default)
@@ -56,6 +57,7 @@ CXX_FLAGS = [
     "-DTORCH_TARGET_VERSION=0x020d000000000000",
 ]
 LINK_FLAGS = ["-s"]  # stripped: the library is a tenth of its size with symbols
+# [/book: setup-flags]
 NO_TORCH = ("tridiag-tutorial needs PyTorch installed before it is installed, and this environment "
             "has none. Install torch first, then this package again:\n"
             "  CPU only:  pip install torch --index-url https://download.pytorch.org/whl/cpu\n"
@@ -280,12 +282,14 @@ def _extension():
             else:
                 self._record(None)
 
+    # [book: setup-extension]
     # py_limited_api=True: torch's BuildExtension then adds -DPy_LIMITED_API itself (CPython 3.10's
     # limited API on torch 2.13), so the module is an abi3 one; the wheel is tagged for the
     # package's oldest Python.
     ext = CppExtension(NAME, SOURCES, depends=DEPENDS, py_limited_api=True,
                        extra_compile_args={"cxx": CXX_FLAGS}, extra_link_args=LINK_FLAGS)
     return [ext], {"build_ext": Build}, {"bdist_wheel": {"py_limited_api": "cp311"}}
+    # [/book: setup-extension]
 
 
 ext_modules, cmdclass, options = _extension()

@@ -111,16 +111,20 @@ def test_timing_asserts_across_cells(cells, flagged):
 
 
 def test_chapter_14_shows_the_current_setup_py():
-    """Chapter 14 prints the extension block of setup.py. Under nbval the notebooks run from a copy
-    outside the repository, where setup.py is not, so that cell's output is not compared there:
-    its saved output is compared with setup.py here instead."""
+    """Chapter 14 prints the marked regions of setup.py (the compiler flags, the extension). Under
+    nbval the notebooks run from a copy outside the repository, where setup.py is not, so that
+    cell's output is not compared there: its saved output is compared with setup.py here instead."""
     nb = json.loads((REPO / "notebooks" / "14_cpp_operator.ipynb").read_text())
     (cell,) = [c for c in nb["cells"] if c["cell_type"] == "code"
                and "".join(c["source"]).startswith('SETUP = Path("..") / "setup.py"')]
     shown = "".join("".join(o.get("text", "")) for o in cell["outputs"])
-    setup = (REPO / "setup.py").read_text()
-    block = setup[setup.index("    class Build("):setup.index("    return [ext]")]
-    assert block in shown, "chapter 14 shows an old setup.py: execute it again"
+    lines = (REPO / "setup.py").read_text().splitlines()
+    for tag in ("setup-flags", "setup-extension"):
+        start = lines.index(next(line for line in lines if line.strip() == f"# [book: {tag}]"))
+        end = lines.index(next(line for line in lines if line.strip() == f"# [/book: {tag}]"))
+        block = "\n".join(lines[start + 1:end])
+        assert "py_limited_api" in block or "-ffp-contract=off" in block, tag
+        assert block in shown, f"chapter 14 shows an old setup.py ({tag}): execute it again"
 
 
 def test_flags_a_long_hidden_cell():

@@ -1,12 +1,18 @@
-"""The reference rows that chapter 12 quotes, shipped with the package.
+"""The reference rows that chapters 12 and 15 quote, shipped with the package.
 
-They are one run of the suite's comparison with JAX (``benchmarks.run_against_jax``: the
+Chapter 12's rows are one run of the suite's comparison with JAX (``benchmarks.run_against_jax``: the
 candidates of each case timed in alternation, each thread count in a process pinned to that many
 cores), in float64, on the machine that the rows' record names. ``extract`` takes them from the
 suite's JSON; the chapter reads them with ``load``, so that it runs where the repository's
 ``notebooks/data`` is absent (a chapter opened alone in Colab)::
 
-    python -m tridiag_tutorial.bench.reference notebooks/data/benchmark_results.json
+    python -m tridiag_tutorial.bench.reference notebooks/data/benchmark_results.json \\
+        --accuracy notebooks/data/accuracy_results.json
+
+Chapter 15 reads two more sections: ``one_system`` (the suite's one-system run, forward: for each
+family, dtype, thread count, load and size, the median seconds of ``?gtsv`` and of the op, and the
+systems the kernel handed back) and ``accuracy`` (the accuracy benchmark's rows of the kernel in
+pieces). Without ``--accuracy`` the accuracy rows already shipped are kept.
 """
 
 from __future__ import annotations
@@ -16,7 +22,8 @@ import json
 from importlib import resources
 from pathlib import Path
 
-__all__ = ["COLUMNS", "FILE", "IMPLS", "SECTION", "extract", "load", "main"]
+__all__ = ["ACCURACY_COLUMNS", "COLUMNS", "FILE", "IMPLS", "ONE_SYSTEM_COLUMNS", "SECTION",
+           "extract", "load", "main"]
 
 FILE = "reference_rows.json"  # beside this module, package data
 SECTION = "against_jax"  # the suite's section the rows come from
@@ -25,6 +32,39 @@ COLUMNS = ("impl", "mode", "n", "batch", "threads", "family", "busy", "seconds")
 # the suite's names of the candidates, by the short names of the file and of load()'s rows
 IMPLS = {"op": "tridiagonal_solve (final)", "lapack": "tridiagonal_solve (driver='lapack')",
          "jax": "jax tridiagonal_solve", "compiled": "torch.compile(tridiagonal_solve)"}
+
+
+# chapter 15's one-system rows: seconds of raw ?gtsv and of the op as installed, and how many
+# systems the large-system kernel handed back to the sequential elimination
+ONE_SYSTEM_COLUMNS = ("family", "dtype", "threads", "busy", "n", "gtsv_seconds", "op_seconds",
+                      "handed_back")
+_GTSV, _OP, _KERNEL = ("raw ?gtsv (SciPy)", "tridiagonal_solve (final)",
+                       "C++ large-system kernel (compiled.solve_ex)")
+# chapter 15's accuracy rows (the kernel in pieces): forward error over ?gtsv's; ratios rounded to
+# three figures by the benchmark itself; None where a column does not apply (singular systems)
+ACCURACY_COLUMNS = ("family", "dtype", "n", "systems", "compared", "fallbacks", "raised",
+                    "lapack_raised", "disagreements", "max_ratio", "reversed_max_ratio", "ratios")
+
+
+def _one_system(report: dict) -> dict:
+    rows = {(r["impl"], r.get("family", "dominant"), r["dtype"], r["threads"],
+             r.get("busy", False), r["n"]): r
+            for r in report["one_system"] if r["mode"] == "forward"}
+    out = []
+    for (impl, *case), row in rows.items():
+        if impl == _OP:
+            gtsv, kernel = rows[(_GTSV, *case)], rows[(_KERNEL, *case)]
+            out.append([*case, float(f"{gtsv['seconds']:.4g}"), float(f"{row['seconds']:.4g}"),
+                        kernel["kernel_fallbacks"]])
+    return {"machine": report["one_system_machine"], "config": report["one_system_config"],
+            "columns": list(ONE_SYSTEM_COLUMNS), "rows": out}
+
+
+def _accuracy(accuracy: dict) -> dict:
+    entry = accuracy["kernels"]["pieces"]
+    rows = [[row.get(c) if c not in ("max_ratio", "reversed_max_ratio") or row.get(c) is None
+             else float(f"{row[c]:.6g}") for c in ACCURACY_COLUMNS] for row in entry["rows"]]
+    return {"machine": entry["machine"], "columns": list(ACCURACY_COLUMNS), "rows": rows}
 
 
 def _wanted(row: dict) -> bool:
@@ -44,14 +84,20 @@ def _cell(row: dict, column: str):
     return row[column]
 
 
-def extract(report: dict) -> dict:
+def extract(report: dict, accuracy: dict | None = None) -> dict:
     """The reference rows of ``report`` (the suite's JSON, loaded): its machine record, its
     settings and the wanted rows of ``SECTION``, each a list in the order of ``COLUMNS``
-    (``impl``: a key of ``IMPLS``)."""
+    (``impl``: a key of ``IMPLS``); then ``one_system``, chapter 15's rows of the suite's
+    one-system run, and ``accuracy``, those of ``accuracy`` (the accuracy benchmark's JSON,
+    loaded; without it, the accuracy rows already shipped)."""
+    shipped = resources.files(__package__).joinpath(FILE)
     return {"section": SECTION, "dtype": DTYPE,
             "machine": report[f"{SECTION}_machine"], "config": report[f"{SECTION}_config"],
             "columns": list(COLUMNS),
-            "rows": [[_cell(row, c) for c in COLUMNS] for row in report[SECTION] if _wanted(row)]}
+            "rows": [[_cell(row, c) for c in COLUMNS] for row in report[SECTION] if _wanted(row)],
+            "one_system": _one_system(report),
+            "accuracy": (_accuracy(accuracy) if accuracy is not None
+                         else json.loads(shipped.read_text())["accuracy"])}
 
 
 def load() -> dict:
@@ -60,22 +106,37 @@ def load() -> dict:
     with ``driver="lapack"``, ``"jax"``, ``"compiled"`` the op under ``torch.compile``;
     ``seconds``: the median time per call)."""
     data = json.loads(resources.files(__package__).joinpath(FILE).read_text())
+    for part in ("one_system", "accuracy"):  # chapter 15's: rows as dicts too
+        data[part] = {**data[part], "rows": [dict(zip(data[part]["columns"], row))
+                                             for row in data[part]["rows"]]}
     return {**data, "rows": [dict(zip(data["columns"], row)) for row in data["rows"]]}
 
 
 def _dumps(data: dict) -> str:
     # one row a line, so that a change of the file reads as a change of rows
-    head = {k: v for k, v in data.items() if k != "rows"}
-    rows = ",\n".join("  " + json.dumps(row) for row in data["rows"])
-    return json.dumps(head, indent=1)[:-2] + ',\n "rows": [\n' + rows + "\n ]\n}\n"
+    def rows(block: list, pad: str) -> str:
+        return "[\n" + ",\n".join(pad + json.dumps(row) for row in block) + "\n" + pad[:-2] + "]"
+
+    def value(key: str, v, pad: str) -> str:
+        if key == "rows":
+            return rows(v, pad + "  ")
+        if key in ("one_system", "accuracy"):
+            inner = ",\n".join(f'{pad}  "{k}": {value(k, w, pad + " ")}' for k, w in v.items())
+            return "{\n" + inner + "\n" + pad + "}"
+        return json.dumps(v)
+
+    return "{\n" + ",\n".join(f' "{k}": {value(k, v, " ")}' for k, v in data.items()) + "\n}\n"
 
 
 def main(argv=None) -> Path:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("results", type=Path, help="the suite's JSON (benchmark_results.json)")
+    parser.add_argument("--accuracy", type=Path, default=None,
+                        help="the accuracy benchmark's JSON (accuracy_results.json)")
     parser.add_argument("--out", type=Path, default=Path(__file__).with_name(FILE))
     args = parser.parse_args(argv)
-    args.out.write_text(_dumps(extract(json.loads(args.results.read_text()))))
+    accuracy = json.loads(args.accuracy.read_text()) if args.accuracy else None
+    args.out.write_text(_dumps(extract(json.loads(args.results.read_text()), accuracy)))
     return args.out
 
 
