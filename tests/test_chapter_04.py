@@ -119,7 +119,7 @@ def test_cpu_only():
 @pytest.mark.slow
 def test_the_break_count_follows_the_code_path_and_plain_numpy_is_traced():
     """A vector rhs adds two one-operation graphs (the wrapper's unsqueeze and squeeze) to the
-    matrix rhs's graphs; the breaks are at SciPy's wrapper or a branch, never at a NumPy reshape."""
+    matrix rhs's four graphs, whose contents the chapter lists; the breaks are at SciPy's wrapper or a branch, never at a NumPy reshape."""
     lower, diag, upper, rhs = make_system(5, seed=50)
 
     def loss(*a):
@@ -132,8 +132,15 @@ def test_the_break_count_follows_the_code_path_and_plain_numpy_is_traced():
         return [sum(n.op in ("call_function", "call_method") for n in g.graph.nodes) for g in explanation.graphs], explanation
 
     vector_sizes, vector = sizes(rhs)
-    matrix_sizes, _ = sizes(torch.randn(5, 3, dtype=torch.float64))
+    matrix_sizes, matrix = sizes(torch.randn(5, 3, dtype=torch.float64))
     torch._dynamo.reset()
+    # what each matrix-rhs graph holds: reshapes, slicing and ascontiguousarray, the finiteness test, the loss
+    held = [" ".join(str(n.target) for n in g.graph.nodes if n.op in ("call_function", "call_method"))
+            for g in matrix.graphs]
+    assert len(held) == 4
+    for graph, names in zip(held, [("reshape",), ("getitem", "ascontiguousarray"), ("isfinite", "all"),
+                                   ("pow", "sum")]):
+        assert all(name in graph for name in names), (graph, names)
     assert len(vector_sizes) == len(matrix_sizes) + 2
     assert vector_sizes[0] == vector_sizes[-2] == 1
     assert all(size > 0 for size in vector_sizes + matrix_sizes)
