@@ -134,3 +134,31 @@ def test_crank_nicolson_step_needs_a_positive_kappa(kappa, dominant, amplifies):
     growth = torch.linalg.eigvals(torch.linalg.solve(A, B)).abs().max().item()
     assert (margin > 0) == dominant
     assert (growth > 1) == amplifies
+
+
+@pytest.mark.parametrize("driver", [None, "lapack"])
+def test_each_solve_has_one_backward_run_that_solves_with_the_transpose(driver):
+    """The counts and the A^T comparison of section 9.7, for both drivers of section 9.10."""
+    n = 63
+    h, x, faces = grid(n)
+    theta = (0.3 * torch.randn(n + 1, dtype=DTYPE, generator=torch.Generator().manual_seed(0))).requires_grad_()
+    runs = {"forward": 0, "backward": 0}
+
+    def counting(lower, diag, upper, rhs):
+        runs["forward"] += 1
+        out = tt.tridiagonal_solve(lower, diag, upper, rhs, driver=driver)
+        out.grad_fn.register_hook(lambda *_: runs.__setitem__("backward", runs["backward"] + 1))
+        return out
+
+    simulate(torch.nn.functional.softplus(theta), initial(x), h, DT, STEPS, solve=counting).sum().backward()
+    assert runs == {"forward": STEPS + 1, "backward": STEPS + 1}
+
+    gen = torch.Generator().manual_seed(2)
+    lower, upper = (-torch.rand(n - 1, dtype=DTYPE, generator=gen) for _ in range(2))
+    main = 3 + torch.rand(n, dtype=DTYPE, generator=gen)
+    rhs = torch.randn(n, 6, dtype=DTYPE, generator=gen).requires_grad_()
+    g = torch.randn(n, 6, dtype=DTYPE, generator=gen)
+    grad, = torch.autograd.grad(tt.tridiagonal_solve(lower, main, upper, rhs, driver=driver), rhs, g)
+    dense = torch.linalg.solve(tt.to_dense(lower, main, upper).mT, g)     # independent: A^T v = g
+    assert (grad - dense).abs().max() < 1e-13
+    assert (grad - torch.linalg.solve(tt.to_dense(lower, main, upper), g)).abs().max() > 1e-6  # A is not symmetric

@@ -173,6 +173,9 @@ def test_convergence_test_breaks_the_graph_and_a_fixed_count_does_not():
     fixed = torch._dynamo.explain(lambda t: loss_of(newton(t, f, h, iterations=8)))(theta)
     torch.compiler.reset()
     assert with_test.graph_break_count >= 5 and with_test.graph_count == with_test.graph_break_count + 1
+    # every break is the convergence test, the line the chapter prints
+    assert all(r.user_stack and "tol * f.abs().max()" in r.user_stack[-1].line
+               for r in with_test.break_reasons)
     assert fixed.graph_count == 1 and fixed.graph_break_count == 0
 
 

@@ -88,3 +88,14 @@ def test_periodic_solve_by_sherman_morrison():
     leaves = [t.clone().requires_grad_() for t in args]
     assert torch.autograd.gradcheck(cyclic_solve, leaves)
     assert torch.autograd.gradgradcheck(cyclic_solve, leaves)
+
+
+def test_pttrf_keeps_two_float_arrays_and_gttrf_four_plus_the_pivots():
+    rng = np.random.default_rng(3)
+    d, e = 3 + rng.random(50), 2 * rng.random(49) - 1
+    *pt, pt_info = lapack.dpttrf(d, e)
+    *gt, gt_info = lapack.dgttrf(e, d, e)
+    assert pt_info == gt_info == 0
+    assert [a.dtype.kind for a in pt] == ["f", "f"]
+    assert [a.dtype.kind for a in gt] == ["f", "f", "f", "f", "i"]
+    assert [a.shape for a in gt[:4]] == [(49,), (50,), (49,), (48,)]
