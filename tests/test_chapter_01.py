@@ -160,3 +160,10 @@ def test_the_setup_context_form_works_with_torch_func():
     x = torch.tensor([1.6, -0.4, 0.7], dtype=torch.float64)
     g = torch.func.grad(lambda t: (3 * NeoReLUFixed.apply(t)).sum())(x)
     assert torch.equal(g, torch.tensor([3.0, 0.0, 3.0], dtype=torch.float64))
+
+
+@pytest.mark.parametrize("difference", [forward_difference, central_difference])
+def test_the_round_off_arm_lies_below_eps_f_over_h(difference):
+    errs, arm = errors(difference), STEPS <= 1e-9
+    ratio = errs[arm] / (np.finfo(float).eps * abs(math.sin(X0)) / STEPS[arm])
+    assert ratio.max() < 1 and np.median(ratio) > 0.01  # below the line, yet parallel to it

@@ -155,3 +155,14 @@ def test_sherman_morrison_solves_the_periodic_heat_matrix():
     y, z = lapack.gtsv(lower, t_diag, upper, b), lapack.gtsv(lower, t_diag, upper, v)
     x = y - alpha * (v @ y) / (1 + alpha * (v @ z)) * z
     assert np.abs(x - np.linalg.solve(A, b)).max() < 1e-12
+
+
+def test_scipys_gtsv_copies_its_inputs_unless_told_to_overwrite():
+    lower, diag, upper, b, _ = pivot_example(1e-3)
+    (dgtsv,) = scipy.linalg.get_lapack_funcs(("gtsv",), (diag,))
+    inputs = [a.copy() for a in (lower, diag, upper)] + [b[:, None].copy()]
+    kept = [a.copy() for a in inputs]
+    dgtsv(*inputs)
+    assert all(np.array_equal(a, k) for a, k in zip(inputs, kept))
+    dgtsv(*inputs, overwrite_dl=1, overwrite_d=1, overwrite_du=1, overwrite_b=1)
+    assert not np.array_equal(inputs[1], kept[1]) and not np.array_equal(inputs[3], kept[3])
