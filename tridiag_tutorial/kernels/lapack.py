@@ -83,7 +83,6 @@ def _pad(lower, diag, upper, rhs, size: int):
     return lower, diag, upper, rhs
 
 
-# [book: lapack-gtsv]
 def gtsv(lower: np.ndarray, diag: np.ndarray, upper: np.ndarray, rhs: np.ndarray) -> np.ndarray:
     """Solve one tridiagonal system with ``?gtsv``; ``rhs`` is ``(n,)`` or ``(n, k)``.
 
