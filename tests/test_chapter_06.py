@@ -275,3 +275,42 @@ def test_compiled_training_follows_eager_and_learns_the_step():
 
     best_single = min(test_error(torch.full_like(theta, c)) for c in torch.linspace(-3, 4, 36).tolist())
     assert test_error(theta) < 0.9 * best_single < 0.9 * test_error(torch.zeros_like(theta))
+
+
+@pytest.mark.slow  # compiles twice
+@torch_trap
+def test_one_break_splits_the_backward_into_two_compiled_graphs():
+    """Section 6.3: with gradients, each piece around a break gets its own compiled backward."""
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
+
+    def prepare(a, theta, c, b):
+        return 0.5 * a.clamp(-1, 1), 3.0 + theta * theta, 0.5 * c.clamp(-1, 1), 2.0 * b + 1.0
+
+    def workload(break_before_solve):
+        def f(a, theta, c, b):
+            bands = prepare(a, theta, c, b)
+            if break_before_solve:
+                torch._dynamo.graph_break()
+            return tridiagonal_solve_custom_op(*bands).square().sum()
+        return f
+
+    backward_graphs = {}
+    for broken in (False, True):
+        count = []
+
+        def bw_compiler(gm, example_inputs, count=count):
+            count.append(gm)
+            return make_boxed_func(gm.forward)
+
+        backend = aot_autograd(fw_compiler=lambda gm, _: make_boxed_func(gm.forward),
+                               bw_compiler=bw_compiler)
+        torch.compiler.reset()
+        inputs = system(12, seed=5, requires_grad=True)
+        grads = torch.autograd.grad(torch.compile(workload(broken), backend=backend)(*inputs), inputs)
+        eager = torch.autograd.grad(workload(False)(*inputs), inputs)
+        for g, e in zip(grads, eager):
+            torch.testing.assert_close(g, e, rtol=1e-10, atol=1e-12)
+        backward_graphs[broken] = len(count)
+    torch.compiler.reset()
+    assert backward_graphs == {False: 1, True: 2}

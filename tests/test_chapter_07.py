@@ -225,3 +225,25 @@ def test_complex_gradient_uses_the_conjugate_transpose():
     g = 2 * x.detach()
     torch.testing.assert_close(g_rhs, torch.linalg.solve(A.mH, g))
     assert relative(g_rhs, torch.linalg.solve(A.mT, g)) > 0.1
+
+
+def test_grad_applies_the_ops_function_twice_per_call():
+    """Section 7.2: one grad call of a loss through the op applies its autograd.Function twice
+    (the solve, and the backward's transposed solve), each through torch.func's handling."""
+    import cProfile
+    import pstats
+
+    n = 7
+    g = torch.Generator().manual_seed(11)
+    lower, upper = (torch.randn(n - 1, generator=g, dtype=F64) for _ in range(2))
+    diag, b, t = 4 + torch.randn(n, generator=g, dtype=F64), torch.randn(n, dtype=F64), torch.randn(n, dtype=F64)
+
+    def loss(d):
+        return 0.5 * (tridiagonal_solve(lower, d, upper, b) - t).square().sum()
+
+    calls = 13
+    profiler = cProfile.Profile()
+    profiler.runcall(lambda: [grad(loss)(diag) for _ in range(calls)])
+    applications = [v[0] for (file, _, name), v in pstats.Stats(profiler).stats.items()
+                    if file.endswith("autograd_function.py") and name == "__call__"]
+    assert applications == [2 * calls]
