@@ -176,3 +176,68 @@ def test_a_singular_matrix_raises_on_every_driver():
         with pytest.raises(tridiag_tutorial.SingularMatrixError) as info:
             tridiagonal_solve(lower, diag, upper, ones[:, 0], driver=driver)
         assert info.value.pivot == 63
+
+
+class CountElements(TorchDispatchMode):
+    """The elements written by the operations that compute (not views)."""
+
+    def __init__(self):
+        super().__init__()
+        self.elements = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if not func.is_view:
+            leaves = out if isinstance(out, (tuple, list)) else [out]
+            self.elements += sum(t.numel() for t in leaves if isinstance(t, torch.Tensor))
+        return out
+
+
+def _elements(fn, lower, diag, upper, rhs):
+    with CountElements() as counter:
+        fn(lower, diag, upper, rhs[..., None])
+    return counter.elements
+
+
+@pytest.mark.parametrize("systems, n", [(1024, 16), (1, 1024)])
+def test_partitioned_writes_about_17_times_the_sequential_elements(systems, n):
+    system = random_system(n, batch=(systems,), seed=n)
+    ratio = _elements(partitioned.solve, *system) / _elements(sequential.solve, *system)
+    assert 14 < ratio < 20
+
+
+def test_blocks_of_4_dispatch_the_fewest_operations():
+    system = random_system(1000, seed=1)
+    counts = {m: count_ops(functools.partial(partitioned.solve, block=m), *system).compute for m in (4, 8, 16)}
+    assert counts[4] < counts[8] < counts[16]
+
+
+def test_complex_factors_are_zgttrfs_and_a_singular_complex_matrix_raises_at_the_last_pivot():
+    c128 = torch.complex128
+    g = torch.Generator().manual_seed(12)
+    lc, dc, uc = (torch.randn(16, size, dtype=c128, generator=g) for size in (39, 40, 39))
+    dc[dc.abs() < 1.2] = 0.0
+    lu, piv = sequential.factor(lc, dc, uc)
+    lu_l, piv_l = map(torch.from_numpy, lapack.factor(lc.numpy(), dc.numpy(), uc.numpy()))
+    assert torch.equal(lu, lu_l) and torch.equal(piv, piv_l)
+    assert (piv != torch.arange(1, 41, dtype=piv.dtype)).sum() > 100
+    ls = torch.tensor([1 - 2j, 0, 0.5 + 0.5j, 1, 2], dtype=c128)
+    ds = torch.tensor([2 + 1j, 3 - 1j, 1 + 1j, 0.5, 4 - 2j, 1], dtype=c128)
+    us = torch.tensor([3 + 1j, 1 + 1j, 1, 0, 1], dtype=c128)
+    assert torch.linalg.matrix_rank(to_dense(ls, ds, us)) == 5
+    for driver in ("lapack", "sequential"):
+        with pytest.raises(torch.linalg.LinAlgError) as caught:
+            tridiagonal_solve(ls, ds, us, torch.ones(6, dtype=c128), driver=driver)
+        assert caught.value.pivot == 5
+    assert sequential.factor_unchecked(ls, ds, us)[0][1, -1] == 0
+
+
+def test_a_nearly_singular_block_is_refined_to_lapacks_answer_or_falls_back():
+    fell = {}
+    for delta in (1e-2, 1e-6, 1e-10, 1e-12, 1e-14):
+        lower, diag, upper, rhs = random_system(70, seed=7)
+        lower[2], diag[3] = 0.0, delta
+        x, fell[delta] = partitioned.solve_ex(lower, diag, upper, rhs[:, None])
+        x_lapack = tridiagonal_solve(lower, diag, upper, rhs, driver="lapack")
+        assert (x[:, 0] - x_lapack).abs().max() / x_lapack.abs().max() < 1e-14
+    assert not any(fell[d] for d in (1e-2, 1e-6, 1e-10)) and fell[1e-14]

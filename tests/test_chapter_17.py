@@ -133,3 +133,54 @@ def test_the_split_solve_is_accurate_and_sends_a_fixed_amount():
     big = run_on_ranks(parallel_demos.split_solve_worker, 2, n)
     assert small[0]["sent"]["split_solve"] == big[0]["sent"]["split_solve"]
     assert big[0]["sent"]["gather_solve"] > 90 * small[0]["sent"]["gather_solve"]
+
+
+def gradient_placements_worker(rank, world_size, n=8, k=4):
+    """The chapter's worker: the placements of the gradients under column sharding."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (world_size,))
+    lower, diag, upper, _ = parallel_demos.random_system(n)
+    rhs = torch.randn(n, k, generator=torch.Generator().manual_seed(1), dtype=F64)
+    inputs = [distribute_tensor(t, mesh, [p]).requires_grad_()
+              for t, p in zip((lower, diag, upper, rhs), [Replicate()] * 3 + [Shard(1)])]
+    tridiagonal_solve(*inputs).square().sum().backward()
+    return [str(t.grad.placements) for t in inputs]
+
+
+def split_gradients_worker(rank, world_size, n, create_graph=False):
+    pieces = [t.requires_grad_() for t in distributed.split_bands(*parallel_demos.random_system(n), rank, world_size)]
+    x = distributed.split_solve(*pieces)
+    try:
+        grads = torch.autograd.grad(x.square().sum(), pieces, create_graph=create_graph)
+    except RuntimeError as err:
+        return type(err).__name__
+    return [g.detach() for g in grads]
+
+
+@pytest.mark.slow
+def test_replicated_bands_get_partial_gradients_under_column_sharding():
+    ranks = run_on_ranks(gradient_placements_worker, 2)
+    for placements in ranks:
+        assert all("Partial" in p for p in placements[:3]) and "Shard(dim=1)" in placements[3]
+
+
+@pytest.mark.slow
+def test_split_solve_gradients_match_one_process_and_double_backward_is_refused():
+    n = 1000
+    inputs = [t.clone().requires_grad_() for t in parallel_demos.random_system(n)]
+    expected = torch.autograd.grad(tridiagonal_solve(*inputs).square().sum(), inputs)
+    largest = max(t.abs().max().item() for t in expected)
+    for rank, grads in enumerate(run_on_ranks(split_gradients_worker, 2, n)):
+        for got, want in zip(grads, distributed.split_bands(*expected, rank, 2)):
+            assert (got - want).abs().max().item() < 1e-12 * largest
+    assert run_on_ranks(split_gradients_worker, 2, n, True) == ["NotImplementedError"] * 2
+
+
+def test_the_split_solve_sends_far_less_than_a_gather_for_many_right_hand_sides():
+    small_gather = distributed.communication(10**4, 4)["gather_solve"]["sent"]
+    for k in (1, 8, 64):
+        routes = distributed.communication(10**6, 4, k=k)
+        assert routes["split_solve"]["sent"] < small_gather < routes["gather_solve"]["sent"]
+        assert routes["split_solve"]["sent"] * 1000 < routes["gather_solve"]["sent"]

@@ -133,6 +133,7 @@ def lu_factor_strategies(lower, diag, upper, driver):
     return strategies
 
 
+# [book: sharding-register]
 def register() -> None:
     """Register the rules with DTensor's sharding propagator (once per process: later calls do
     nothing). Importing this module calls it."""
