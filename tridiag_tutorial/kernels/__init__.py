@@ -76,7 +76,11 @@ def choose_driver(device_type: str, dtype: torch.dtype, batch: int, n: int, cpp:
       sequential one below. The sequential kernel dispatches a fixed number of operations per
       row, each a kernel launch on a GPU; the partitioned one a number that grows like ``log n``
       (``--torch-kernels-only`` counts both; chapter 16). That part is a judgement from the
-      operation counts, not a GPU measurement.
+      operation counts for few systems, where launches dominate, not a GPU measurement: the
+      partitioned kernel writes about 17 times the sequential kernel's elements, so a large
+      batch, bound by memory bandwidth on a GPU, should favour the sequential kernel. Devices
+      without float64 (Apple's MPS) are not supported: the partitioned kernel's check computes
+      in float64.
     """
     if device_type == "cpu":
         # the dtype and n first: for real dtypes and for small systems the batch size is not
