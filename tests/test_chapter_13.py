@@ -9,6 +9,7 @@ import torch.autograd.forward_ad as fwAD
 from torch.func import grad, hessian, jacfwd, jacrev, jvp, vmap
 
 from tridiag_tutorial import to_dense, tridiagonal_solve
+from tridiag_tutorial.bench import reference as shipped
 from tridiag_tutorial.book.minimal_op import solve as minimal_solve
 
 F64 = torch.float64
@@ -66,28 +67,49 @@ def test_compiled_transforms_work_on_the_production_op_and_raise_on_chapter_8s()
 
 
 @pytest.fixture(scope="module")
-def route_rows():
+def route_seconds():
+    rows = shipped.load()["routes"]["rows"]
+    return {(r["route"], r["mode"], r["n"], r["batch"]): r["seconds"] for r in rows}
+
+
+FAST, FUSED, DIRECT, APPLY, INSTALLED = ("without the C++ fast path", "without the fused C++ backward",
+                                         "without direct kernel calls",
+                                         "Function.apply instead of _compat.function_apply", "as installed")
+
+
+def marginal(seconds, route, *case):
+    """A shortcut alone: the direct and apply routes also turn the fast path off."""
+    base = FAST if route in (DIRECT, APPLY) else INSTALLED
+    return seconds[route, *case] / seconds[base, *case]
+
+
+def test_the_shipped_route_rows_match_the_suites_results(route_seconds):
     if not RESULTS.exists():
         pytest.skip("no benchmark results in this checkout")
-    rows = json.loads(RESULTS.read_text())["routes"]
-    return {(r["route"], r["mode"], r["n"], r["batch"]): r["ratio"] for r in rows if r["threads"] == 1}
+    report = json.loads(RESULTS.read_text())
+    for r in report["routes"]:
+        if r["threads"] == 1:
+            assert route_seconds[r["route"], r["mode"], r["n"], r["batch"]] == pytest.approx(r["seconds"], rel=1e-3)
+    assert shipped.load()["routes"]["machine"] == report["routes_machine"]
 
 
-def test_the_route_figures_the_chapter_quotes(route_rows):
-    # section 13.3: the fast path halves a forward at n = 100 and saves 10-20 % at n = 1e4
-    assert route_rows["without the C++ fast path", "forward", 100, 0] >= 2.0
-    assert 1.1 <= route_rows["without the C++ fast path", "forward", 10000, 0] <= 1.25
-    # the fused backward: 1.15 to 1.6 times faster backward, no effect on the forward
-    fused = [v for (route, mode, *_), v in route_rows.items()
-             if route == "without the fused C++ backward" and mode == "backward"]
-    assert fused and min(fused) >= 1.1 and max(fused) <= 1.65
-    forward = [v for (route, mode, *_), v in route_rows.items()
-               if route == "without the fused C++ backward" and mode == "forward"]
-    assert all(abs(v - 1) < 0.01 for v in forward)
-    # Function.apply's binding: a backward at n = 100 costs about 2.7 times as much
-    assert 2.5 <= route_rows["Function.apply instead of _compat.function_apply", "backward", 100, 0] <= 2.9
-    # the largest batch: forward within a few percent, backward within about a fifth
-    for route in ("without the C++ fast path", "without direct kernel calls",
-                  "Function.apply instead of _compat.function_apply"):
-        assert route_rows[route, "forward", 256, 1024] <= 1.05
-        assert route_rows[route, "backward", 256, 1024] <= 1.25
+def test_the_route_figures_the_chapter_quotes(route_seconds):
+    m = lambda route, *case: round(marginal(route_seconds, route, *case), 2)
+    # section 13.3: the fast path halves a forward at n = 100 and saves about 15 % at n = 1e4
+    assert m(FAST, "forward", 100, 0) == 2.14
+    assert 1.1 <= m(FAST, "forward", 10000, 0) <= 1.2
+    cases = {tuple(case) for (_, *case) in route_seconds}
+    # the fused backward: 1.15 to 1.57 times faster backward, no effect on the forward
+    fused = [m(FUSED, *c) for c in cases if c[0] == "backward"]
+    assert min(fused) == 1.15 and max(fused) == 1.57
+    assert all(m(FUSED, *c) == 1.0 for c in cases if c[0] == "forward")
+    # direct kernel calls alone: 1.51x forward and 1.15x backward at n = 100, 1.00x on the largest batch
+    assert m(DIRECT, "forward", 100, 0) == 1.51 and m(DIRECT, "backward", 100, 0) == 1.15
+    assert m(DIRECT, "forward", 256, 1024) == 1.0
+    # function_apply alone: 1.00x on the forward rows (1.02x on the largest batch), 1.34x on a backward at n = 100
+    assert all(m(APPLY, *c) == 1.0 for c in cases if c[0] == "forward" and c[1:] != (256, 1024))
+    assert m(APPLY, "backward", 100, 0) == 1.34
+    # the largest batch: each shortcut alone within 2 % forward and 15 % backward
+    for route in (FAST, FUSED, DIRECT, APPLY):
+        assert m(route, "forward", 256, 1024) <= 1.02
+        assert m(route, "backward", 256, 1024) <= 1.15

@@ -122,16 +122,55 @@ def test_compiled_forward_mode_raises():
 
 
 @pytest.mark.slow
-def test_compiled_grad_raises_and_grad_of_compiled_works():
+def test_compiled_grad_raises_and_grad_around_compiled_is_refused_or_eager():
     dl, d, du, b = system(6)
     torch.compiler.reset()
     job = lambda: grad(lambda x: solve(dl, x, du, b).sum())(d)
     with pytest.raises(Exception, match="setup_context"):
         torch.compile(job, backend="aot_eager", fullgraph=True)()
+    seen = []
+
+    def loss(x):
+        seen.append(torch.compiler.is_compiling())
+        return solve(dl, x, du, b).sum()
+
+    torch.compiler.reset()  # Dynamo refuses a torch.func transform around a compiled function
+    with pytest.raises(Exception, match=r"torch.func.grad\(compiled_fn\) .*not supported"):
+        grad(torch.compile(loss, backend="aot_eager", fullgraph=True))(d)
+    torch.compiler.reset()  # without fullgraph it runs the function eagerly: right, but not compiled
+    seen.clear()
+    close(grad(torch.compile(loss, backend="aot_eager"))(d), grad(lambda x: dense(dl, x, du, b).sum())(d))
+    assert seen == [False]
     torch.compiler.reset()
-    compiled = torch.compile(lambda x: solve(dl, x, du, b).sum(), backend="aot_eager")
-    close(grad(compiled)(d), grad(lambda x: dense(dl, x, du, b).sum())(d))
-    torch.compiler.reset()
+
+
+def test_inputs_the_kernel_cannot_take_raise_clear_errors():
+    dl, d, du, b = system(6, batch=(2,))
+    with pytest.raises(TypeError, match="one dtype"):
+        solve(dl, d, du, b.float())  # NumPy would promote; the fake kernel would say float32
+    with pytest.raises(TypeError, match="one dtype"):
+        solve(dl.half(), d.half(), du.half(), b.half())
+    with pytest.raises(ValueError, match=r"one batch shape; got dl \(2, 5\), d \(2, 6\), du \(2, 5\), b \(1, 6\)"):
+        solve(dl, d, du, b[:1])  # no broadcasting
+    with pytest.raises(ValueError, match="n >= 2"):
+        solve(dl[..., :0], d[..., :1], du[..., :0], b[..., :1])
+    with pytest.raises(ValueError, match="one batch shape"):
+        solve_op(dl[0], d, du, b)  # the op checks too
+
+
+def test_fake_kernel_agrees_for_float32_and_complex64():
+    for dtype in (torch.float32, torch.complex64):
+        args = [t.requires_grad_() for t in system(6, batch=(2,), dtype=dtype)]
+        assert solve_op(*args).dtype == dtype
+        torch.library.opcheck(solve_op, args, test_utils=("test_faketensor",))
+
+
+def test_a_singular_system_names_its_zero_pivot():
+    dl, d, du, b = system(5, batch=(3,))
+    d = d.clone()
+    dl[2], d[2, 0], du[2, 0] = 0.0, 0.0, 0.0  # system 2: first row and column zero but the sub-diagonal
+    with pytest.raises(ValueError, match="system 2 is singular"):
+        solve(dl, d, du, b)
 
 
 def test_the_op_alone_refuses_dual_numbers():
@@ -146,3 +185,14 @@ def test_a_direct_apply_of_the_function_leaves_no_state_behind():
     of_d = lambda x: SolveFunction.apply(dl, x, du, b)
     jvp(of_d, (d,), (torch.ones_like(d),))
     close(jacfwd(lambda x: solve(dl, x, du, b))(d), jacrev(lambda x: dense(dl, x, du, b))(d))
+
+
+def test_a_complex_system_with_complex_entries():
+    g = torch.Generator().manual_seed(3)
+    dl, d, du, b = (torch.randn(*s, generator=g, dtype=torch.complex128) for s in ((2, 5), (2, 6), (2, 5), (2, 6)))
+    d = d + 3
+    x = solve(dl, d, du, b)
+    assert x.imag.abs().max() > 0.1  # a solution that is not real up to one scalar
+    close(x, dense(dl, d, du, b))
+    args = [t[0].clone().requires_grad_() for t in (dl, d, du, b)]
+    assert torch.autograd.gradcheck(solve, args, check_forward_ad=True)

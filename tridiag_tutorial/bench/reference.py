@@ -13,6 +13,10 @@ Chapter 15 reads two more sections: ``one_system`` (the suite's one-system run, 
 family, dtype, thread count, load and size, the median seconds of ``?gtsv`` and of the op, and the
 systems the kernel handed back) and ``accuracy`` (the accuracy benchmark's rows of the kernel in
 pieces). Without ``--accuracy`` the accuracy rows already shipped are kept.
+
+Chapter 13 reads ``routes``: the suite's run of the op's shortcuts (``benchmarks.run_routes``, the
+variants timed in alternation), one thread, float64: for each route, mode and case, the median
+seconds per call.
 """
 
 from __future__ import annotations
@@ -22,8 +26,8 @@ import json
 from importlib import resources
 from pathlib import Path
 
-__all__ = ["ACCURACY_COLUMNS", "COLUMNS", "FILE", "IMPLS", "ONE_SYSTEM_COLUMNS", "SECTION",
-           "extract", "load", "main"]
+__all__ = ["ACCURACY_COLUMNS", "COLUMNS", "FILE", "IMPLS", "ONE_SYSTEM_COLUMNS", "ROUTES_COLUMNS",
+           "SECTION", "extract", "load", "main"]
 
 FILE = "reference_rows.json"  # beside this module, package data
 SECTION = "against_jax"  # the suite's section the rows come from
@@ -44,6 +48,17 @@ _GTSV, _OP, _KERNEL = ("raw ?gtsv (SciPy)", "tridiagonal_solve (final)",
 # three figures by the benchmark itself; None where a column does not apply (singular systems)
 ACCURACY_COLUMNS = ("family", "dtype", "n", "systems", "compared", "fallbacks", "raised",
                     "lapack_raised", "disagreements", "max_ratio", "reversed_max_ratio", "ratios")
+
+
+# chapter 13's route rows: the median seconds of the op as installed and of each variant
+ROUTES_COLUMNS = ("route", "mode", "n", "batch", "seconds")
+
+
+def _routes(report: dict) -> dict:
+    rows = [[r[c] if c != "seconds" else float(f"{r['seconds']:.4g}") for c in ROUTES_COLUMNS]
+            for r in report["routes"] if r["threads"] == 1 and r.get("seconds") is not None]
+    return {"machine": report["routes_machine"], "config": report["routes_config"],
+            "columns": list(ROUTES_COLUMNS), "rows": rows}
 
 
 def _one_system(report: dict) -> dict:
@@ -89,13 +104,15 @@ def extract(report: dict, accuracy: dict | None = None) -> dict:
     settings and the wanted rows of ``SECTION``, each a list in the order of ``COLUMNS``
     (``impl``: a key of ``IMPLS``); then ``one_system``, chapter 15's rows of the suite's
     one-system run, and ``accuracy``, those of ``accuracy`` (the accuracy benchmark's JSON,
-    loaded; without it, the accuracy rows already shipped)."""
+    loaded; without it, the accuracy rows already shipped); and ``routes``, chapter 13's rows of
+    the suite's run of the op's shortcuts."""
     shipped = resources.files(__package__).joinpath(FILE)
     return {"section": SECTION, "dtype": DTYPE,
             "machine": report[f"{SECTION}_machine"], "config": report[f"{SECTION}_config"],
             "columns": list(COLUMNS),
             "rows": [[_cell(row, c) for c in COLUMNS] for row in report[SECTION] if _wanted(row)],
             "one_system": _one_system(report),
+            "routes": _routes(report),
             "accuracy": (_accuracy(accuracy) if accuracy is not None
                          else json.loads(shipped.read_text())["accuracy"])}
 
@@ -106,7 +123,7 @@ def load() -> dict:
     with ``driver="lapack"``, ``"jax"``, ``"compiled"`` the op under ``torch.compile``;
     ``seconds``: the median time per call)."""
     data = json.loads(resources.files(__package__).joinpath(FILE).read_text())
-    for part in ("one_system", "accuracy"):  # chapter 15's: rows as dicts too
+    for part in ("one_system", "accuracy", "routes"):  # chapters 15 and 13: rows as dicts too
         data[part] = {**data[part], "rows": [dict(zip(data[part]["columns"], row))
                                              for row in data[part]["rows"]]}
     return {**data, "rows": [dict(zip(data["columns"], row)) for row in data["rows"]]}
@@ -120,7 +137,7 @@ def _dumps(data: dict) -> str:
     def value(key: str, v, pad: str) -> str:
         if key == "rows":
             return rows(v, pad + "  ")
-        if key in ("one_system", "accuracy"):
+        if key in ("one_system", "accuracy", "routes"):
             inner = ",\n".join(f'{pad}  "{k}": {value(k, w, pad + " ")}' for k, w in v.items())
             return "{\n" + inner + "\n" + pad + "}"
         return json.dumps(v)

@@ -2,7 +2,8 @@ r"""Chapter 8: an operator you can copy, a tridiagonal solve on public torch API
 
 ``solve(dl, d, du, b)`` returns ``x`` with ``A x = b``, where ``A`` has the sub-diagonal ``dl``
 ``(..., n-1)``, the diagonal ``d`` ``(..., n)`` and the super-diagonal ``du`` ``(..., n-1)``, and
-``b`` is ``(..., n)``; all four share one batch shape (no broadcasting). CPU, real or complex.
+``b`` is ``(..., n)``; all four share one batch shape (no broadcasting) and one dtype. CPU, real or
+complex; the kernel is LAPACK's ``?gtsv`` through SciPy.
 
 Two public mechanisms, each with a gap on torch 2.13, and ``solve`` picks between them:
 
@@ -20,27 +21,58 @@ inside ``torch.compile``, forward over forward), ``solve`` raises instead of ans
 
 from __future__ import annotations
 
+# [book: minimal-imports]
 import threading
 
 import torch
 import torch.autograd.forward_ad as fwAD
+from scipy.linalg.lapack import get_lapack_funcs
 
-from tridiag_tutorial.kernels import lapack
+# [/book: minimal-imports]
 
 __all__ = ["solve"]  # solve_op and SolveFunction are its parts: call solve
 
 
 # [book: minimal-op]
+_DTYPES = (torch.float32, torch.float64, torch.complex64, torch.complex128)  # what ?gtsv takes
+
+
+def _check(dl, d, du, b):
+    """Clear errors for inputs the kernel cannot take (no broadcasting, one dtype, CPU)."""
+    if not dl.dtype == d.dtype == du.dtype == b.dtype or b.dtype not in _DTYPES:
+        raise TypeError(f"tridiag_minimal.solve: dl, d, du, b need one dtype of float32/64, complex64/128, got "
+                        f"{dl.dtype}, {d.dtype}, {du.dtype}, {b.dtype}")
+    n = b.shape[-1] if b.dim() else 0
+    if n < 2 or d.shape != b.shape or dl.shape != du.shape or dl.shape != (*b.shape[:-1], n - 1):
+        raise ValueError(f"tridiag_minimal.solve: need d and b of shape (..., n) and dl, du of shape "
+                         f"(..., n-1), n >= 2, one batch shape; got dl {tuple(dl.shape)}, d {tuple(d.shape)}, "
+                         f"du {tuple(du.shape)}, b {tuple(b.shape)}")
+    if any(t.device.type != "cpu" for t in (dl, d, du, b)):
+        raise ValueError(f"tridiag_minimal.solve: CPU tensors only, got b on {b.device}")
+
+
 @torch.library.custom_op("tridiag_minimal::solve", mutates_args=(), device_types="cpu")
 def solve_op(dl: torch.Tensor, d: torch.Tensor, du: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """The kernel: LAPACK ``?gtsv`` through NumPy, opaque to the compiler."""
+    """The kernel: LAPACK ``?gtsv`` from SciPy, one system at a time; opaque to the compiler."""
+    _check(dl, d, du, b)
     _refuse_tangents(dl, d, du, b)
-    x = lapack.solve(*(t.detach().resolve_conj().resolve_neg().numpy() for t in (dl, d, du, b.unsqueeze(-1))))
-    return torch.from_numpy(x).squeeze(-1).contiguous()
+    n, rows = b.shape[-1], b.numel() // b.shape[-1]  # one row per system of the batch
+    bands = [t.detach().resolve_conj().resolve_neg().reshape(rows, t.shape[-1]).numpy()
+             for t in (dl, d, du, b)]
+    gtsv = get_lapack_funcs("gtsv", bands)  # sgtsv, dgtsv, cgtsv or zgtsv, from the dtype
+    x = torch.empty(rows, n, dtype=b.dtype)
+    for i, (l, m, u, r) in enumerate(zip(*bands)):  # gtsv works on copies: inputs stay intact
+        *_, xi, info = gtsv(l, m, u, r.reshape(n, 1))
+        if info > 0:
+            raise ValueError(f"tridiag_minimal.solve: the matrix of system {i} is singular "
+                             f"(zero pivot at row {info - 1} of its LU factorisation)")
+        x[i] = torch.from_numpy(xi[:, 0])
+    return x.reshape(b.shape)
 
 
 @solve_op.register_fake
 def _(dl, d, du, b):
+    _check(dl, d, du, b)
     return torch.empty_like(b, memory_format=torch.contiguous_format)  # shape, dtype, strides
 # [/book: minimal-op]
 
@@ -54,8 +86,9 @@ def _refuse_tangents(*tensors):
         lost = True
     if lost:
         raise NotImplementedError(
-            "tridiag_minimal.solve: forward-mode AD reached the op, which has no forward rule "
-            "(compiled code, or the op called directly); use forward mode on uncompiled calls of solve")
+            "tridiag_minimal.solve: forward-mode AD reached the op, which has no forward rule (dual "
+            "numbers around compiled code, torch.func.linearize, or the op called directly); use jvp, "
+            "jacfwd or dual numbers on uncompiled calls of solve")
 
 
 def _matmul(dl, d, du, x):
@@ -157,6 +190,7 @@ def solve(dl: torch.Tensor, d: torch.Tensor, du: torch.Tensor, b: torch.Tensor) 
     """``x = A^{-1} b``. Eager: the Function, which every transform accepts. Traced
     (``torch.compile``, ``torch.export``): the op, which Dynamo accepts under ``fullgraph=True``;
     it has no forward-mode rule, so forward mode raises there."""
+    _check(dl, d, du, b)
     if torch.compiler.is_compiling():
         if any(fwAD.unpack_dual(t).tangent is not None for t in (dl, d, du, b)):
             raise NotImplementedError(
