@@ -78,3 +78,16 @@ def test_without_the_library_the_schemas_still_exist():
     for name in ("solve", "solve_kernel", "lu_factor"):
         assert getattr(torch.ops.tridiag_tutorial, name).default._schema.name == f"tridiag_tutorial::{name}"
     assert isinstance(tridiag_tutorial.cpp_available(), bool)
+
+
+def test_the_import_stub_the_chapter_shows_is_the_packages():
+    """Section 14.7 shows the import stub in short: a module `_C` created in tridiag.cpp's PyInit__C,
+    imported by kernels/compiled.py, which tolerates its absence with `_C = None`."""
+    package = tridiag_tutorial.__file__.rsplit("/", 1)[0]
+    with open(f"{package}/csrc/tridiag.cpp") as f:
+        cpp = f.read()
+    with open(f"{package}/kernels/compiled.py") as f:
+        python = f.read()
+    assert re.search(r"PyMODINIT_FUNC PyInit__C\(void\)", cpp)
+    assert re.search(r'PyModuleDef_HEAD_INIT, "_C"', cpp)
+    assert re.search(r"try:\n\s+from \.\. import _C\n\s+except ImportError.*\n\s+_C = None", python)

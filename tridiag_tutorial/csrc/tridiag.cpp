@@ -75,7 +75,6 @@
 #include "band_products.h"
 
 extern "C" {
-// [book: python-module]
 // An empty module tridiag_tutorial._C: importing it loads this library, whose static
 // initialisers register the ops below (pytorch/extension-cpp's way). Py_LIMITED_API (CPython 3.10's
 // limited API, set by torch's BuildExtension): one build serves every CPython from 3.10 on.
@@ -90,7 +89,6 @@ PyMODINIT_FUNC PyInit__C(void) {
   static struct PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "_C", nullptr, -1, methods};
   return PyModule_Create(&module_def);
 }
-// [/book: python-module]
 }
 
 extern "C" PyObject* thread_budget(PyObject*, PyObject*) {

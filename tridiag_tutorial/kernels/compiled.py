@@ -80,7 +80,6 @@ def _build_report() -> dict:
 
 
 _REPORT: dict = {}
-# [book: load]
 if os.environ.get(DISABLE_ENV) == "1":
     _C = None
     BUILD_ERROR: str | None = f"switched off with {DISABLE_ENV}=1"
@@ -101,7 +100,6 @@ else:
         DISABLED = _REPORT.get("cause") == "switched_off"
     else:
         BUILD_ERROR = None
-# [/book: load]
 
 
 def _installed_from() -> tuple[str, bool]:
