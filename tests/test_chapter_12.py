@@ -153,10 +153,17 @@ def test_one_system_scatters_for_the_op_and_costs_jax_at_small_n():
     op = [ratio["op", n] for n in SIZES]
     assert (round(min(op), 2), round(max(op), 2)) == (0.87, 1.15)
     assert abs(np.corrcoef(np.log(SIZES), op)[0, 1]) < 0.5
-    # JAX: "0.59 at n = 1000, a cost that shrinks against the work as n grows, is absent at n = 100"
-    assert round(ratio["jax", 1000], 2) == 0.59
-    assert [ratio["jax", n] for n in SIZES[1:]] == sorted(ratio["jax", n] for n in SIZES[1:])
-    assert ratio["jax", 100] > 0.95 and ratio["jax", 10**6] > 0.95
+    # JAX: "0.59 at n = 1000", far outside the op's ±0.15; "the time JAX's second thread added
+    # grows from n = 10^3 to 10^5 ... at 10^6 it is lost in the work"
+    assert round(ratio["jax", 1000], 2) == 0.59 and ratio["jax", 1000] < min(op) - 0.15
+    extra = [t("jax", n, threads=2) - t("jax", n, threads=1) for n in (1000, 10**4, 10**5)]
+    assert extra == sorted(extra) and extra[-1] > 4 * extra[0]
+    assert ratio["jax", 10**6] > 0.99
+
+
+def test_on_lapack_two_threads_stay_within_003_of_one():
+    for batch, n in [(0, n) for n in SIZES] + [(1024, 256), (16384, 64), (100000, 8)]:
+        assert abs(t("lapack", n, batch, threads=1) / t("lapack", n, batch, threads=2) - 1) < 0.03
 
 
 def test_a_busy_core_slowed_only_jaxs_two_threads_at_n_1000():
@@ -164,6 +171,15 @@ def test_a_busy_core_slowed_only_jaxs_two_threads_at_n_1000():
               for threads in (1, 2)
               if t(impl, n, threads=threads, busy=True) / t(impl, n, threads=threads) > 1.06}
     assert slowed == {("jax", 1000, 2)}
+    # "the rest lie between 0.94 and 1.05"
+    rest = [t(impl, n, threads=threads, busy=True) / t(impl, n, threads=threads)
+            for impl in ("op", "lapack", "jax") for n in (1000, 10**5) for threads in (1, 2)
+            if (impl, n, threads) != ("jax", 1000, 2)]
+    assert 0.935 < min(rest) and max(rest) < 1.055
+
+
+def test_the_reference_has_no_busy_rows_for_a_batch():
+    assert not [r for r in ROWS if r["busy"] and r["batch"]]
 
 
 def test_only_the_poisson_matrix_loses_the_kernels_gain():
@@ -190,3 +206,57 @@ def test_the_chapter_runs_opened_alone(tmp_path):
     nb = nbformat.read(tmp_path / CHAPTER.name, as_version=4)
     nbclient.NotebookClient(nb, timeout=600, kernel_name="python3",
                             resources={"metadata": {"path": str(tmp_path)}}).execute()
+
+
+def test_apply_binds_the_signature_only_with_setup_context(monkeypatch):
+    """Section 12.4: "Function.apply, for a Function that defines setup_context, binds the
+    arguments to forward's signature with inspect.signature(...).bind on every call"."""
+    import inspect
+
+    import torch
+
+    class WithSetupContext(torch.autograd.Function):
+        @staticmethod
+        def forward(x):
+            return x + 1
+
+        @staticmethod
+        def setup_context(ctx, inputs, output):
+            pass
+
+    class OlderForm(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x + 1
+
+    seen = []
+    real = inspect.signature
+    monkeypatch.setattr(inspect, "signature", lambda f, *a, **k: seen.append(f) or real(f, *a, **k))
+    x = torch.ones(3)
+    OlderForm.apply(x)
+    assert seen == []
+    WithSetupContext.apply(x)
+    WithSetupContext.apply(x)
+    assert seen.count(WithSetupContext.forward) == 2
+
+
+def test_on_a_gpu_the_op_waits_for_the_gpu_on_every_call():
+    """Section 12.8: the op reads its singularity verdict back to the CPU on every call."""
+    import torch
+
+    import tridiag_tutorial as tt
+    from tridiag_tutorial.bench import benchmarks
+
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    args = [a.cuda() for a in benchmarks.problem(256, 1024, torch.float64)]
+    tt.tridiagonal_solve(*args)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        with pytest.raises(RuntimeError):
+            tt.tridiagonal_solve(*args)
+        mats = torch.randn(8, 64, 64, device="cuda")
+        mats @ mats  # the matrix product only queues: no error
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
