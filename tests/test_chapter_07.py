@@ -228,7 +228,7 @@ def test_complex_gradient_uses_the_conjugate_transpose():
 
 
 def test_grad_applies_the_ops_function_twice_per_call():
-    """Section 7.2: one grad call of a loss through the op applies its autograd.Function twice
+    """Section 7.3: one grad call of a loss through the op applies its autograd.Function twice
     (the solve, and the backward's transposed solve), each through torch.func's handling."""
     import cProfile
     import pstats
