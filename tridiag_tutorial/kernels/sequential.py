@@ -84,6 +84,7 @@ def factor_unchecked(lower: torch.Tensor, diag: torch.Tensor, upper: torch.Tenso
     du = list(upper.unbind(-1))
     multipliers, du2, swaps = [], [], []
     zero = torch.zeros_like(diag[..., 0])
+    # [book: sequential-elimination]
     for i in range(n - 1):
         a, b, c = d[i], lower[..., i], du[i]  # rows i, i+1 in columns i, i+1: [[a, c], [b, d[i+1]]]
         swap = _magnitude(b) > _magnitude(a)
@@ -102,6 +103,7 @@ def factor_unchecked(lower: torch.Tensor, diag: torch.Tensor, upper: torch.Tenso
             du[i + 1] = torch.where(swap, -_multiply(fact, far), far)
         multipliers.append(fact)
         swaps.append(swap)
+    # [/book: sequential-elimination]
     pad = [zero]
     rows = [multipliers + pad, d, du + pad, du2 + [zero] * (n - len(du2))]
     lu = torch.stack([torch.stack(r, dim=-1) for r in rows], dim=-2)
