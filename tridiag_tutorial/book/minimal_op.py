@@ -83,7 +83,10 @@ def _refuse_tangents(*tensors):
     try:
         lost = any(fwAD.unpack_dual(t).tangent is not None for t in tensors)
     except RuntimeError:  # a compiled graph at run time cannot unpack: a dual level is active
-        lost = True
+        raise NotImplementedError(
+            "tridiag_minimal.solve: a traced call (torch.compile, or make_fx as in torch.func.linearize) "
+            "inside an active forward-AD level (dual_level) cannot see tangents, so it refuses, with or "
+            "without tangents on its inputs; use jvp, jacfwd or dual numbers on uncompiled calls") from None
     if lost:
         raise NotImplementedError(
             "tridiag_minimal.solve: forward-mode AD reached the op, which has no forward rule (dual "
