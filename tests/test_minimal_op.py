@@ -196,3 +196,13 @@ def test_a_complex_system_with_complex_entries():
     close(x, dense(dl, d, du, b))
     args = [t[0].clone().requires_grad_() for t in (dl, d, du, b)]
     assert torch.autograd.gradcheck(solve, args, check_forward_ad=True)
+
+
+def test_meta_tensors_get_the_shape_without_a_solve():
+    """The fake kernel serves the Meta key too: shape inference on meta tensors works, while the
+    real kernel still refuses a device it cannot run on."""
+    dl, d, du, b = (t.to("meta") for t in system(5, batch=(3,)))
+    out = solve_op(dl, d, du, b)
+    assert out.device.type == "meta" and out.shape == b.shape and out.dtype == b.dtype
+    with pytest.raises(ValueError, match="CPU tensors only"):
+        solve(dl, d, du, b)

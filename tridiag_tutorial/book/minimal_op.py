@@ -37,7 +37,7 @@ __all__ = ["solve"]  # solve_op and SolveFunction are its parts: call solve
 _DTYPES = (torch.float32, torch.float64, torch.complex64, torch.complex128)  # what ?gtsv takes
 
 
-def _check(dl, d, du, b):
+def _check(dl, d, du, b, devices=("cpu",)):
     """Clear errors for inputs the kernel cannot take (no broadcasting, one dtype, CPU)."""
     if not dl.dtype == d.dtype == du.dtype == b.dtype or b.dtype not in _DTYPES:
         raise TypeError(f"tridiag_minimal.solve: dl, d, du, b need one dtype of float32/64, complex64/128, got "
@@ -47,7 +47,7 @@ def _check(dl, d, du, b):
         raise ValueError(f"tridiag_minimal.solve: need d and b of shape (..., n) and dl, du of shape "
                          f"(..., n-1), n >= 2, one batch shape; got dl {tuple(dl.shape)}, d {tuple(d.shape)}, "
                          f"du {tuple(du.shape)}, b {tuple(b.shape)}")
-    if any(t.device.type != "cpu" for t in (dl, d, du, b)):
+    if any(t.device.type not in devices for t in (dl, d, du, b)):
         raise ValueError(f"tridiag_minimal.solve: CPU tensors only, got b on {b.device}")
 
 
@@ -72,7 +72,7 @@ def solve_op(dl: torch.Tensor, d: torch.Tensor, du: torch.Tensor, b: torch.Tenso
 
 @solve_op.register_fake
 def _(dl, d, du, b):
-    _check(dl, d, du, b)
+    _check(dl, d, du, b, devices=("cpu", "meta"))  # the fake kernel also serves meta tensors
     return torch.empty_like(b, memory_format=torch.contiguous_format)  # shape, dtype, strides
 # [/book: minimal-op]
 
