@@ -12,15 +12,10 @@ from tridiag_tutorial import to_dense, tridiagonal_solve
 from tridiag_tutorial.bench import reference as shipped
 from tridiag_tutorial.book.minimal_op import solve as minimal_solve
 
+from conftest import make_system
+
 F64 = torch.float64
 RESULTS = Path(__file__).resolve().parents[1] / "notebooks" / "data" / "benchmark_results.json"
-
-
-def system(n=8, seed=1):
-    g = torch.Generator().manual_seed(seed)
-    randn = lambda *s: torch.randn(*s, generator=g, dtype=F64)
-    sign = torch.where(torch.rand(n, generator=g) < 0.5, -1.0, 1.0).to(F64)
-    return randn(n - 1), (1.5 + randn(n).abs()) * sign, randn(n - 1), randn(n)
 
 
 def dense(dl, d, du, b):
@@ -32,7 +27,7 @@ def close(a, b):
 
 
 def test_the_production_op_passes_every_eager_transform():
-    dl, d, du, b = system()
+    dl, d, du, b = make_system(8, seed=1)
     of_d = lambda f: (lambda x: f(dl, x, du, b))
     cube = lambda f: (lambda x: f(dl, x, du, b).pow(3).sum())
     close(grad(cube(tridiagonal_solve))(d), grad(cube(dense))(d))
@@ -51,7 +46,7 @@ def test_the_production_op_passes_every_eager_transform():
 
 @pytest.mark.slow
 def test_compiled_transforms_work_on_the_production_op_and_raise_on_chapter_8s():
-    dl, d, du, b = system()
+    dl, d, du, b = make_system(8, seed=1)
     ones = torch.ones_like(d)
     jobs = {"jvp": (lambda s: jvp(lambda x: s(dl, x, du, b), (d,), (ones,))[1],
                     jacrev(lambda x: dense(dl, x, du, b))(d).sum(1)),

@@ -26,7 +26,9 @@ import json
 from importlib import resources
 from pathlib import Path
 
-__all__ = ["ACCURACY_COLUMNS", "COLUMNS", "FILE", "IMPLS", "ONE_SYSTEM_COLUMNS", "ROUTES_COLUMNS",
+from . import benchmarks
+
+__all__ = ["ACCURACY_COLUMNS", "COLUMNS", "FILE", "IMPLS", "ONE_SYSTEM_COLUMNS", "PARTS", "ROUTES_COLUMNS",
            "SECTION", "extract", "load", "main"]
 
 FILE = "reference_rows.json"  # beside this module, package data
@@ -34,16 +36,15 @@ SECTION = "against_jax"  # the suite's section the rows come from
 DTYPE = "float64"
 COLUMNS = ("impl", "mode", "n", "batch", "threads", "family", "busy", "seconds")
 # the suite's names of the candidates, by the short names of the file and of load()'s rows
-IMPLS = {"op": "tridiagonal_solve (final)", "lapack": "tridiagonal_solve (driver='lapack')",
-         "jax": "jax tridiagonal_solve", "compiled": "torch.compile(tridiagonal_solve)"}
+IMPLS = {"op": benchmarks.FINAL, "lapack": benchmarks.FINAL_LAPACK, "jax": benchmarks.JAX_IMPL,
+         "compiled": benchmarks.COMPILED_FINAL}
 
 
 # chapter 15's one-system rows: seconds of raw ?gtsv and of the op as installed, and how many
 # systems the large-system kernel handed back to the sequential elimination
 ONE_SYSTEM_COLUMNS = ("family", "dtype", "threads", "busy", "n", "gtsv_seconds", "op_seconds",
                       "handed_back")
-_GTSV, _OP, _KERNEL = ("raw ?gtsv (SciPy)", "tridiagonal_solve (final)",
-                       "C++ large-system kernel (compiled.solve_ex)")
+_GTSV, _OP, _KERNEL = benchmarks.RAW_GTSV, benchmarks.FINAL, benchmarks.LARGE_KERNEL
 # chapter 15's accuracy rows (the kernel in pieces): forward error over ?gtsv's; ratios rounded to
 # three figures by the benchmark itself; None where a column does not apply (singular systems)
 ACCURACY_COLUMNS = ("family", "dtype", "n", "systems", "compared", "fallbacks", "raised",
@@ -52,6 +53,7 @@ ACCURACY_COLUMNS = ("family", "dtype", "n", "systems", "compared", "fallbacks", 
 
 # chapter 13's route rows: the median seconds of the op as installed and of each variant
 ROUTES_COLUMNS = ("route", "mode", "n", "batch", "seconds")
+PARTS = ("one_system", "accuracy", "routes")  # the sections beside chapter 12's rows
 
 
 def _routes(report: dict) -> dict:
@@ -123,7 +125,7 @@ def load() -> dict:
     with ``driver="lapack"``, ``"jax"``, ``"compiled"`` the op under ``torch.compile``;
     ``seconds``: the median time per call)."""
     data = json.loads(resources.files(__package__).joinpath(FILE).read_text())
-    for part in ("one_system", "accuracy", "routes"):  # chapters 15 and 13: rows as dicts too
+    for part in PARTS:  # chapters 15 and 13: rows as dicts too
         data[part] = {**data[part], "rows": [dict(zip(data[part]["columns"], row))
                                              for row in data[part]["rows"]]}
     return {**data, "rows": [dict(zip(data["columns"], row)) for row in data["rows"]]}
@@ -137,7 +139,7 @@ def _dumps(data: dict) -> str:
     def value(key: str, v, pad: str) -> str:
         if key == "rows":
             return rows(v, pad + "  ")
-        if key in ("one_system", "accuracy", "routes"):
+        if key in PARTS:
             inner = ",\n".join(f'{pad}  "{k}": {value(k, w, pad + " ")}' for k, w in v.items())
             return "{\n" + inner + "\n" + pad + "}"
         return json.dumps(v)
