@@ -173,8 +173,8 @@ def _calls_per_block(timer: benchmark.Timer, min_time: float) -> int:
         number = max(number * 2, int(number * min_time / max(elapsed, 1e-9)))
 
 
-def _time_interleaved(fns: dict, min_time: float, repeats: int, contexts: dict | None = None
-                      ) -> dict:
+def _time_interleaved(fns: dict, min_time: float, repeats: int, contexts: dict | None = None,
+                      spread: dict | None = None) -> dict:
     """Median seconds per call of each of ``fns``, timed in alternation (A B, B A, A B, ...), one
     block of each after the other, so that a change in the machine's load affects all alike.
     Each block is a ``Timer.timeit`` of the number of calls that lasts ``min_time``, after one
@@ -182,7 +182,8 @@ def _time_interleaved(fns: dict, min_time: float, repeats: int, contexts: dict |
     caches and its memory freed (measured: without it, JAX's float64 gradient at n = 10^6 timed
     1.44 times as long as when timed alone), which a loop that calls one function never sees.
     ``contexts`` maps some keys to a context manager factory that is entered around every call
-    of that function (its warm-up, calibration and each block) and left before the next."""
+    of that function (its warm-up, calibration and each block) and left before the next.
+    ``spread``, where given, receives each key's [25th, 75th] percentile of its blocks' times."""
     contexts = contexts or {}
 
     def within(key):
@@ -203,6 +204,9 @@ def _time_interleaved(fns: dict, min_time: float, repeats: int, contexts: dict |
             with within(key):
                 fns[key]()
                 times[key].append(timers[key].timeit(numbers[key]).median)
+    if spread is not None:
+        spread.update({key: [float(q) for q in np.percentile(t, [25, 75])]
+                       for key, t in times.items()})
     return {key: statistics.median(t) for key, t in times.items()}
 
 
@@ -1260,7 +1264,8 @@ def _against_jax_here(cases, dtypes, threads, cores, min_time, repeats, compiled
                 fns[COMPILED_FINAL] = _torch_callable(compiled_solve, args, mode)
             fns[JAX_IMPL] = _jax_callable(args, mode)
             fns, errors = _working(fns)
-            medians = _time_interleaved(fns, min_time, repeats)
+            spread = {}
+            medians = _time_interleaved(fns, min_time, repeats, spread=spread)
             medians.update(dict.fromkeys(errors))
             names = _thread_names()
             seen = dict(affinity=affinity, torch_threads=torch.get_num_threads(),
@@ -1272,7 +1277,8 @@ def _against_jax_here(cases, dtypes, threads, cores, min_time, repeats, compiled
                 case.append(dict(
                     impl=impl, mode=mode, compiled=compiled, n=n, batch=batch, dtype=dname,
                     threads=threads, family=family, busy=busy, busy_core=busy_core,
-                    seconds=seconds, ratio=_quotient(seconds, jax_seconds),
+                    seconds=seconds, quartiles=spread.get(impl),
+                    ratio=_quotient(seconds, jax_seconds),
                     vs_eager=_quotient(seconds, eager) if compiled else None,
                     error=errors.get(impl), **seen))
             log(f"  against JAX  {dname:8s} threads={threads} (XLA pool {seen['xla_threads']}) "
@@ -1536,7 +1542,7 @@ def _one_system_here(cases, dtypes, threads, cores, min_time, repeats, families=
                                       n=n)):
                     continue
                 args = one_system_family(family, n, dtype)
-                medians, errors = {}, {}
+                medians, errors, spreads = {}, {}, {}
                 for mode in _family_modes(family, modes, backward_families):
                     fns = {}
                     if mode == "forward":
@@ -1549,7 +1555,9 @@ def _one_system_here(cases, dtypes, threads, cores, min_time, repeats, families=
                     if has_jax:
                         fns[JAX_IMPL] = _jax_callable(args, mode)
                     fns, errors[mode] = _working(fns)
-                    medians[mode] = _time_interleaved(fns, min_time, repeats)
+                    spreads[mode] = {}
+                    medians[mode] = _time_interleaved(fns, min_time, repeats,
+                                                      spread=spreads[mode])
                     medians[mode].update(dict.fromkeys(errors[mode]))
                     log(f"  one system  {dname:8s} thr={threads} {load:5s} {family:21s} "
                         f"n={n:>8d} {mode:8s} ns/unknown: "
@@ -1568,6 +1576,7 @@ def _one_system_here(cases, dtypes, threads, cores, min_time, repeats, families=
                         row = dict(
                             impl=impl, mode=mode, family=family, n=n, dtype=dname,
                             threads=threads, busy=busy, busy_core=busy_core, seconds=seconds,
+                            quartiles=spreads[mode].get(impl),
                             ns_per_unknown=None if seconds is None else seconds / n * 1e9,
                             vs_gtsv=_quotient(seconds, gtsv) if mode == "forward" else None,
                             vs_jax=_quotient(seconds, jax_seconds),
