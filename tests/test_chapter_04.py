@@ -76,13 +76,39 @@ def test_no_second_derivative():
     (grad_diag,) = torch.autograd.grad(tridiagonal_solve_function(*inputs).pow(2).sum(), inputs[1],
                                        create_graph=True)
     penalty = grad_diag.pow(2).sum()
+    assert type(grad_diag.grad_fn).__name__ == "Error"
     assert torch.autograd.grad(penalty, inputs[1], allow_unused=True, retain_graph=True) == (None,)
+    with pytest.raises(RuntimeError, match="not have been used in the graph"):
+        torch.autograd.grad(penalty, inputs[1], retain_graph=True)
     with pytest.raises(RuntimeError, match="once_differentiable"):
         penalty.backward()
     (plain,) = torch.autograd.grad(tridiagonal_solve_function(*inputs).sum(), inputs[1], create_graph=True)
     assert plain.grad_fn is None
+    with pytest.raises(RuntimeError, match="does not require grad"):
+        plain.pow(2).sum().backward()
     assert torch.autograd.gradgradcheck(tt.tridiagonal_solve, leaves(args))
 
+
+
+def test_without_once_differentiable_the_second_derivative_is_silently_wrong():
+    """The same NumPy backward, undecorated: recorded only through the saved x, so v = A^{-T} g is
+    a constant and the second derivative is wrong, with no error."""
+
+    class Undecorated(LapackTridiagonalSolve):
+        @staticmethod
+        def backward(ctx, grad_x):
+            return LapackTridiagonalSolve.backward.__wrapped__(ctx, grad_x)
+
+    lower, diag, upper, rhs = make_system(5, seed=53)
+
+    def second_derivative(solve):
+        d = diag.clone().requires_grad_()
+        (first,) = torch.autograd.grad(solve(lower, d, upper, rhs).pow(2).sum(), d, create_graph=True)
+        return torch.autograd.grad(first.pow(2).sum(), d)[0]
+
+    wrong = second_derivative(lambda lo, d, up, b: Undecorated.apply(lo, d, up, b.unsqueeze(-1)).squeeze(-1))
+    right = second_derivative(dense_solve)
+    assert (wrong - right).abs().max() > 1e-2 * right.abs().max()
 
 @pytest.mark.slow
 def test_numpy_in_forward_breaks_the_graph():
