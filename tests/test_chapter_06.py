@@ -123,6 +123,37 @@ def test_eager_second_derivatives_of_the_custom_op():
         torch.testing.assert_close(s, e, rtol=1e-10, atol=1e-12)
 
 
+def test_the_documented_compiled_autograd_switch_compiles_the_backward_whole():
+    """Section 6.2: with torch._dynamo.config.compiled_autograd on, a .backward() inside a compiled
+    function reaches the function's own backend as one graph: the op once, one accumulation per input."""
+    graphs = []
+
+    def keep(gm, example_inputs):
+        graphs.append([str(n.target) for n in gm.graph.nodes])
+        return gm.forward
+
+    def loss_and_backward(lower, diag, upper, rhs):
+        value = loss(lower, diag, upper, rhs)
+        value.backward()
+        return value.detach()
+
+    torch.compiler.reset()
+    inputs = system(9, seed=12, requires_grad=True)
+    torch._dynamo.config.compiled_autograd = True
+    try:
+        torch.compile(loss_and_backward, backend=keep)(*inputs)
+    finally:
+        torch._dynamo.config.compiled_autograd = False
+        torch.compiler.reset()
+    accumulate = "torch._dynamo.compiled_autograd.ops.AccumulateGrad"
+    backward = [targets for targets in graphs if accumulate in targets]
+    assert len(backward) == 1
+    assert backward[0].count(accumulate) == 4 and backward[0].count(CUSTOM_OP) == 1
+    dense = torch.autograd.grad(loss_of(dense_solve)(*inputs), inputs)
+    for t, e in zip(inputs, dense):
+        torch.testing.assert_close(t.grad, e, rtol=1e-10, atol=1e-12)
+
+
 def count_compiles(sizes, mark_dynamic=False, **options):
     torch.compiler.reset()
     counter = CompileCounterWithBackend("eager")
