@@ -5,8 +5,11 @@ import torch
 import torch.autograd.forward_ad as fwAD
 from torch.func import grad, hessian, jacfwd, jacrev, jvp, vjp, vmap
 
-from tridiag_tutorial.book.minimal_op import solve, solve_op
+from tridiag_tutorial.book import minimal_op
+from tridiag_tutorial.book.minimal_op import SolveFunction, _solve_op, solve
 from tridiag_tutorial.reference import to_dense
+
+from conftest import torch_trap
 
 F64 = torch.float64
 
@@ -36,7 +39,7 @@ def test_values_match_the_dense_solve(dtype):
 @pytest.mark.slow
 def test_opcheck_passes():
     args = [t.requires_grad_() for t in system(6, batch=(2,))]
-    result = torch.library.opcheck(solve_op, args)
+    result = torch.library.opcheck(_solve_op, args)
     assert set(result.values()) == {"SUCCESS"}, result
 
 
@@ -155,14 +158,14 @@ def test_inputs_the_kernel_cannot_take_raise_clear_errors():
     with pytest.raises(ValueError, match="n >= 2"):
         solve(dl[..., :0], d[..., :1], du[..., :0], b[..., :1])
     with pytest.raises(ValueError, match="one batch shape"):
-        solve_op(dl[0], d, du, b)  # the op checks too
+        _solve_op(dl[0], d, du, b)  # the op checks too
 
 
 def test_fake_kernel_agrees_for_float32_and_complex64():
     for dtype in (torch.float32, torch.complex64):
         args = [t.requires_grad_() for t in system(6, batch=(2,), dtype=dtype)]
-        assert solve_op(*args).dtype == dtype
-        torch.library.opcheck(solve_op, args, test_utils=("test_faketensor",))
+        assert _solve_op(*args).dtype == dtype
+        torch.library.opcheck(_solve_op, args, test_utils=("test_faketensor",))
 
 
 def test_a_singular_system_names_its_zero_pivot():
@@ -176,11 +179,10 @@ def test_a_singular_system_names_its_zero_pivot():
 def test_the_op_alone_refuses_dual_numbers():
     dl, d, du, b = system(6)
     with fwAD.dual_level(), pytest.raises(NotImplementedError, match="forward-mode AD reached the op"):
-        solve_op(dl, fwAD.make_dual(d, torch.ones_like(d)), du, b)
+        _solve_op(dl, fwAD.make_dual(d, torch.ones_like(d)), du, b)
 
 
 def test_a_direct_apply_of_the_function_leaves_no_state_behind():
-    from tridiag_tutorial.book.minimal_op import SolveFunction
     dl, d, du, b = system(6)
     of_d = lambda x: SolveFunction.apply(dl, x, du, b)
     jvp(of_d, (d,), (torch.ones_like(d),))
@@ -202,7 +204,34 @@ def test_meta_tensors_get_the_shape_without_a_solve():
     """The fake kernel serves the Meta key too: shape inference on meta tensors works, while the
     real kernel still refuses a device it cannot run on."""
     dl, d, du, b = (t.to("meta") for t in system(5, batch=(3,)))
-    out = solve_op(dl, d, du, b)
+    out = _solve_op(dl, d, du, b)
     assert out.device.type == "meta" and out.shape == b.shape and out.dtype == b.dtype
     with pytest.raises(ValueError, match="CPU tensors only"):
         solve(dl, d, du, b)
+
+
+def test_solve_is_the_only_public_entry_point():
+    assert minimal_op.__all__ == ["solve"]
+    assert not [name for name in vars(minimal_op) if name.endswith("_op") and not name.startswith("_")]
+
+
+@torch_trap
+def test_forward_over_forward_through_the_function_alone_is_silently_wrong():
+    """Why solve counts forward levels: torch runs a Function's jvp with the outer level off."""
+    dl, d, du, b = system(6)
+    cube = lambda f: (lambda x: f(dl, x, du, b).pow(3).sum())
+    wrong = jacfwd(jacfwd(cube(SolveFunction.apply)))(d)
+    assert (wrong - hessian(cube(dense))(d)).abs().max() > 1e-3
+
+
+def test_the_refusal_lets_an_unrelated_error_through(monkeypatch):
+    """_refuse_tangents turns only the traced-call error into its own message."""
+    dl, d, du, b = system(6)
+
+    def unpack_dual(tensor, level=None):
+        raise RuntimeError("an unrelated failure")
+
+    monkeypatch.setattr(minimal_op.fwAD, "unpack_dual", unpack_dual)
+    with pytest.raises(RuntimeError, match="an unrelated failure") as caught:
+        _solve_op(dl, d, du, b)
+    assert caught.type is RuntimeError  # not turned into the refusal's NotImplementedError

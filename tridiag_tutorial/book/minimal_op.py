@@ -11,12 +11,14 @@ Two public mechanisms, each with a gap on torch 2.13, and ``solve`` picks betwee
   ``register_autograd``, ``register_vmap``) is what ``torch.compile`` sees: one opaque node that
   passes ``opcheck`` and compiles with ``fullgraph=True``; but its ``register_autograd`` raises under
   ``torch.func.grad`` and returns zero tangents under forward mode;
-- the ``autograd.Function`` ``SolveFunction`` (``setup_context``, ``backward``, ``jvp``, ``vmap``)
+- the ``autograd.Function`` ``SolveFunction`` (``setup_context``, ``backward``, ``jvp``,
+  ``generate_vmap_rule``)
   calls the same op and works with every eager ``torch.func`` transform and forward-mode AD; but
   Dynamo refuses a Function with a ``jvp`` under ``fullgraph=True``.
 
 So eager code runs the Function and traced code the op. Where neither is right (forward mode
 inside ``torch.compile``, forward over forward), ``solve`` raises instead of answering wrongly.
+The op stays private (``_solve_op``): called alone under ``jvp`` it returns zero tangents.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ from scipy.linalg.lapack import get_lapack_funcs
 
 # [/book: minimal-imports]
 
-__all__ = ["solve"]  # solve_op and SolveFunction are its parts: call solve
+__all__ = ["solve"]  # the only entry point: _solve_op and SolveFunction are its parts
 
 
 # [book: minimal-op]
@@ -52,7 +54,7 @@ def _check(dl, d, du, b, devices=("cpu",)):
 
 
 @torch.library.custom_op("tridiag_minimal::solve", mutates_args=(), device_types="cpu")
-def solve_op(dl: torch.Tensor, d: torch.Tensor, du: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+def _solve_op(dl: torch.Tensor, d: torch.Tensor, du: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """The kernel: LAPACK ``?gtsv`` from SciPy, one system at a time; opaque to the compiler."""
     _check(dl, d, du, b)
     _refuse_tangents(dl, d, du, b)
@@ -70,7 +72,7 @@ def solve_op(dl: torch.Tensor, d: torch.Tensor, du: torch.Tensor, b: torch.Tenso
     return x.reshape(b.shape)
 
 
-@solve_op.register_fake
+@_solve_op.register_fake
 def _(dl, d, du, b):
     _check(dl, d, du, b, devices=("cpu", "meta"))  # the fake kernel also serves meta tensors
     return torch.empty_like(b, memory_format=torch.contiguous_format)  # shape, dtype, strides
@@ -82,7 +84,9 @@ def _refuse_tangents(*tensors):
     """The op has no forward-mode rule: a tangent that reaches it would be dropped, so raise."""
     try:
         lost = any(fwAD.unpack_dual(t).tangent is not None for t in tensors)
-    except RuntimeError:  # a compiled graph at run time cannot unpack: a dual level is active
+    except RuntimeError as error:  # traced code run inside a dual level: unpacking fails in torch
+        if "_fw_primal" not in str(error):  # any other error is not this one: let it through
+            raise
         raise NotImplementedError(
             "tridiag_minimal.solve: a traced call (torch.compile, or make_fx as in torch.func.linearize) "
             "inside an active forward-AD level (dual_level) cannot see tangents, so it refuses, with or "
@@ -119,7 +123,7 @@ def _jvp(solve, dl, d, du, x, tdl, td, tdu, tb):
 
 
 def _batched(info, in_dims, *args):
-    """For a vmap rule: every argument with its batch dimension first, of size ``info.batch_size``."""
+    """For the op's vmap rule: every argument with its batch dimension first, of size ``info.batch_size``."""
     return [a.movedim(i, 0) if i is not None else a.expand(info.batch_size, *a.shape)
             for a, i in zip(args, in_dims)]
 # [/book: minimal-rules]
@@ -132,15 +136,15 @@ def _setup_context(ctx, inputs, output):
 
 
 def _op_backward(ctx, g):
-    return _backward(solve_op, *ctx.saved_tensors, g)  # the op again: double backward works
+    return _backward(_solve_op, *ctx.saved_tensors, g)  # the op again: double backward works
 
 
-solve_op.register_autograd(_op_backward, setup_context=_setup_context)
+_solve_op.register_autograd(_op_backward, setup_context=_setup_context)
 
 
-@solve_op.register_vmap
+@_solve_op.register_vmap
 def _(info, in_dims, dl, d, du, b):
-    return solve_op(*_batched(info, in_dims, dl, d, du, b)), 0  # the kernel takes any batch
+    return _solve_op(*_batched(info, in_dims, dl, d, du, b)), 0  # the kernel takes any batch
 # [/book: minimal-registrations]
 
 
@@ -148,9 +152,11 @@ def _(info, in_dims, dl, d, du, b):
 class SolveFunction(torch.autograd.Function):
     """The op with a forward-mode rule, for eager code (``torch.func`` and dual numbers)."""
 
+    generate_vmap_rule = True  # vmap runs the staticmethods batched: the op has a vmap rule
+
     @staticmethod
     def forward(dl, d, du, b):
-        return solve_op(dl, d, du, b)
+        return _solve_op(dl, d, du, b)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
@@ -167,10 +173,6 @@ class SolveFunction(torch.autograd.Function):
         _count_forward_level()
         dl, d, du, x = ctx.saved_tensors
         return _jvp(solve, dl, d, du, x, tdl, td, tdu, tb)
-
-    @staticmethod
-    def vmap(info, in_dims, dl, d, du, b):
-        return solve(*_batched(info, in_dims, dl, d, du, b)), 0
 # [/book: minimal-function]
 
 
@@ -199,7 +201,7 @@ def solve(dl: torch.Tensor, d: torch.Tensor, du: torch.Tensor, b: torch.Tensor) 
             raise NotImplementedError(
                 "tridiag_minimal.solve: forward-mode AD (jvp, jacfwd, dual numbers) inside "
                 "torch.compile is not supported; use forward mode on uncompiled calls of solve")
-        return solve_op(dl, d, du, b)
+        return _solve_op(dl, d, du, b)
     if getattr(_calls, "levels", None) is not None:  # a solve inside a rule of this solve
         return SolveFunction.apply(dl, d, du, b)
     _calls.levels = 0
