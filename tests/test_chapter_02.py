@@ -166,3 +166,31 @@ def test_scipys_gtsv_copies_its_inputs_unless_told_to_overwrite():
     assert all(np.array_equal(a, k) for a, k in zip(inputs, kept))
     dgtsv(*inputs, overwrite_dl=1, overwrite_d=1, overwrite_du=1, overwrite_b=1)
     assert not np.array_equal(inputs[1], kept[1]) and not np.array_equal(inputs[3], kept[3])
+
+
+def test_divide_accumulate_is_a_chain_of_divisions_that_stays_near_one():
+    rng = np.random.default_rng(3)
+    c = rng.uniform(1, 2, 500_000)
+    q = np.stack([c, 1 / c], axis=1).ravel()  # the chapter's chain values: c, 1/c, ...
+    out = np.divide.accumulate(q)
+    assert out[0] == q[0] and out[1] == q[0] / q[1] and out[2] == (q[0] / q[1]) / q[2]
+    assert 0.4 < out.min() and out.max() < 2.5  # no overflow, underflow or subnormal numbers
+    assert np.all(np.multiply.accumulate(q)[1::2] > 0.99) and np.all(np.multiply.accumulate(q)[1::2] < 1.01)
+
+
+def test_dgtsv_on_a_dominant_system_does_thomas_arithmetic():
+    rng = np.random.default_rng(1)
+    n = 300
+    lower, diag, upper = rng.uniform(-1, 1, n - 1), rng.uniform(2, 3, n), rng.uniform(-1, 1, n - 1)
+    b = rng.standard_normal(n)
+    c, y = [diag[0]], [b[0]]  # elimination without pivoting
+    for i in range(1, n):
+        w = lower[i - 1] / c[-1]
+        c.append(diag[i] - w * upper[i - 1])
+        y.append(b[i] - w * y[-1])
+    x = [0.0] * n
+    x[-1] = y[-1] / c[-1]
+    for i in range(n - 2, -1, -1):
+        x[i] = (y[i] - upper[i] * x[i + 1]) / c[i]
+    (dgtsv,) = scipy.linalg.get_lapack_funcs(("gtsv",), (diag,))
+    assert np.abs(dgtsv(lower, diag, upper, b[:, None])[3].ravel() - np.array(x)).max() < 1e-14

@@ -1,7 +1,7 @@
 """Chapter 3's claims, recomputed: the band gradients are the three central diagonals of the dense
 gradient -v x^H, A^T and A^H are the swapped (and conjugated) bands, the backward rule makes one
 solve on them, the conjugations matter for complex inputs, a custom op with only a reverse rule
-gives zero tangents under torch.func.jvp, JAX's tridiagonal solve carries the same rules, and PyTorch's derivatives.yaml pairs both rules for its
+gives zero tangents under torch.func.jvp but the right ones by double backward, JAX's tridiagonal solve carries the same rules, and PyTorch's derivatives.yaml pairs both rules for its
 dense solve."""
 
 import pathlib
@@ -86,6 +86,20 @@ def test_a_custom_op_with_only_register_autograd_gives_zero_tangents():
     dx = torch.linalg.solve(A, tangents[3] - to_dense(*tangents[:3]) @ x)
     assert torch.all(dx_custom == 0) and dx.abs().max() > 0.01
     assert torch.allclose(dx_final, dx, rtol=0, atol=1e-12)
+
+
+def test_the_double_backward_trick_gives_the_custom_ops_tangent():
+    from tridiag_tutorial.book.custom_op import tridiagonal_solve_custom_op
+
+    lower, diag, upper = bands(7, seed=3)
+    gen = torch.Generator().manual_seed(6)
+    b = torch.randn(7, dtype=torch.float64, generator=gen)
+    tangents = tuple(torch.randn(p.shape, dtype=p.dtype, generator=gen) for p in (lower, diag, upper, b))
+    _, dx_double = torch.autograd.functional.jvp(tridiagonal_solve_custom_op, (lower, diag, upper, b), tangents)
+    A, x = to_dense(lower, diag, upper), tridiagonal_solve(lower, diag, upper, b)
+    dx = torch.linalg.solve(A, tangents[3] - to_dense(*tangents[:3]) @ x)
+    assert dx.abs().max() > 0.01
+    assert torch.allclose(dx_double, dx, rtol=0, atol=1e-12)
 
 
 def test_derivatives_yaml_pairs_a_reverse_and_a_forward_rule_for_the_dense_solve():
