@@ -5,6 +5,7 @@ import contextlib
 import functools
 from unittest import mock
 
+import numpy as np
 import pytest
 import torch
 from torch.autograd import gradcheck
@@ -12,7 +13,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import tridiag_tutorial
 from tridiag_tutorial import to_dense, tridiag_matmul, tridiagonal_solve
-from tridiag_tutorial.kernels import lapack, partitioned, sequential
+from tridiag_tutorial.bench import accuracy, reference
+from tridiag_tutorial.kernels import choose_driver, lapack, partitioned, sequential
 from tridiag_tutorial.reference import dense_solve
 
 F64 = torch.float64
@@ -241,3 +243,83 @@ def test_a_nearly_singular_block_is_refined_to_lapacks_answer_or_falls_back():
         x_lapack = tridiagonal_solve(lower, diag, upper, rhs, driver="lapack")
         assert (x[:, 0] - x_lapack).abs().max() / x_lapack.abs().max() < 1e-14
     assert not any(fell[d] for d in (1e-2, 1e-6, 1e-10)) and fell[1e-14]
+
+
+# Section 16.8: the reference rows shipped with the package, and the badly scaled systems.
+
+def _partitioned_reference():
+    rows = reference.load()["partitioned_accuracy"]["rows"]
+    return {variant: [r for r in rows if r["variant"] == variant] for variant in ("check only", "refine + check")}
+
+
+def test_the_reference_rows_back_what_section_16_8_reads_from_them():
+    tables = _partitioned_reference()
+    ratios = {variant: [x for r in rows if r["ratios"] is not None for x in r["ratios"]]
+              for variant, rows in tables.items()}
+    assert ratios["refine + check"] and max(ratios["refine + check"]) <= 1.0  # at most LAPACK's error
+    assert max(ratios["check only"]) > 100  # hundreds of times LAPACK's through the check alone
+    singular = [r for r in tables["refine + check"] if r["ratios"] is None]
+    assert singular and sum(r["disagreements"] for r in singular) == 0
+    assert sum(r["raised"] for r in singular) == sum(r["lapack_raised"] for r in singular)
+    scaled = {variant: [r for r in rows if r["family"] == "badly_scaled_rows"] for variant, rows in tables.items()}
+    assert all(r["fallbacks"] == r["systems"] for r in scaled["check only"])  # every one falls back
+    fell = sum(r["fallbacks"] for r in scaled["refine + check"]) / sum(r["systems"] for r in scaled["refine + check"])
+    assert 0.3 < fell < 0.5  # "about 4 in 10"
+
+
+def _badly_scaled(seed):
+    lower, diag, upper, rhs = map(torch.from_numpy, accuracy.make("badly_scaled_rows", 64, np.float64, seed))
+    row_max = to_dense(lower, diag, upper).abs().amax(-1)
+    z = 2 * torch.rand(64, 1, dtype=F64, generator=torch.Generator().manual_seed(seed)) - 1
+    eps = torch.finfo(F64).eps
+    unscaled = eps * row_max.max() * partitioned.solve_unchecked(lower, diag, upper, z).abs().max()
+    scaled = eps * partitioned.solve_unchecked(lower, diag, upper, row_max[:, None] * z).abs().max()
+    x = partitioned.solve_unchecked(lower, diag, upper, rhs)
+    x_max = x.abs().max()
+    residual = (tridiag_matmul(lower, diag, upper, x) - rhs).abs()
+    backward = ((residual / x_max) / (row_max[:, None] + rhs.abs() / x_max)).max() / eps
+    return (lower, diag, upper, rhs), float(unscaled), float(scaled), float(backward)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_the_unscaled_probe_rejects_every_badly_scaled_system_and_the_scaled_one_none(seed):
+    _, unscaled, scaled, _ = _badly_scaled(seed)
+    assert unscaled > 1e200  # eps max|A| max|A^-1 z|: about eps * 1e300
+    assert scaled <= 1 / partitioned.SINGULAR_MARGIN
+
+
+def test_a_good_badly_scaled_answer_is_kept_and_a_wrong_one_falls_back():
+    system, _, _, backward = _badly_scaled(1)
+    assert backward < 1000 and not partitioned.solve_ex(*system)[1]
+    system, _, _, backward = _badly_scaled(0)
+    assert backward > 1000 and partitioned.solve_ex(*system)[1]
+    x = tridiagonal_solve(*system, driver="partitioned")  # the fallback's answer: the sequential kernel's
+    assert torch.equal(x, tridiagonal_solve(*system, driver="sequential"))
+
+
+# Section 16.9: what MPS, which has no float64, would get.
+
+class CountDtypes(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.dtypes = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if not func.is_view:
+            leaves = out if isinstance(out, (tuple, list)) else [out]
+            self.dtypes.update(t.dtype for t in leaves if isinstance(t, torch.Tensor))
+        return out
+
+
+def test_on_mps_the_automatic_choice_reaches_the_partitioned_kernel_which_writes_float64():
+    assert choose_driver("mps", torch.float32, 1, 16, False) == "sequential"
+    assert choose_driver("mps", torch.float32, 1, 64, False) == "partitioned"
+    lower, diag, upper, rhs = (t.float() for t in random_system(100, seed=2))
+    written = {}
+    for name, kernel in (("sequential", sequential.solve), ("partitioned", partitioned.solve)):
+        with CountDtypes() as counter:
+            kernel(lower, diag, upper, rhs[:, None])
+        written[name] = counter.dtypes
+    assert torch.float64 not in written["sequential"] and torch.float32 in written["sequential"]
+    assert torch.float64 in written["partitioned"]

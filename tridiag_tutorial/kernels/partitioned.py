@@ -113,6 +113,7 @@ def solve_ex(lower: torch.Tensor, diag: torch.Tensor, upper: torch.Tensor, rhs: 
         return rhs.new_zeros(rhs.shape), False
     # k = 0 columns still runs: the probes (and the fallback) raise for a singular A, as the
     # other kernels do
+    # [book: partitioned-check]
     k = rhs.shape[-1]
     row = _row_max(lower, diag, upper)  # (*B, n)
     probe = _probe(rhs) * torch.where(row > 0, row, torch.ones_like(row))[..., None]
@@ -126,6 +127,7 @@ def solve_ex(lower: torch.Tensor, diag: torch.Tensor, upper: torch.Tensor, rhs: 
     if bool(_answer_is_suspect(lower, diag, upper, rhs, x, correction, k, _growth(levels_))):  # one device read
         return sequential.solve(lower, diag, upper, rhs), True
     return x[..., :k].contiguous(), False
+    # [/book: partitioned-check]
 
 
 def solve(lower: torch.Tensor, diag: torch.Tensor, upper: torch.Tensor, rhs: torch.Tensor,
