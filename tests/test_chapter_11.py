@@ -13,6 +13,8 @@ import torch
 
 import tridiag_tutorial as tt
 
+from conftest import torch_trap
+
 lapack = pytest.importorskip("scipy.linalg.lapack")
 
 DTYPE = torch.float64
@@ -99,3 +101,60 @@ def test_pttrf_keeps_two_float_arrays_and_gttrf_four_plus_the_pivots():
     assert [a.dtype.kind for a in pt] == ["f", "f"]
     assert [a.dtype.kind for a in gt] == ["f", "f", "f", "f", "i"]
     assert [a.shape for a in gt[:4]] == [(49,), (50,), (49,), (48,)]
+
+
+def _diagonal_op(name):
+    """x = b / d as a custom op whose derivative is registered with register_autograd."""
+    @torch.library.custom_op(f"test_chapter_11::{name}", mutates_args=(), device_types="cpu")
+    def op(d: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        if d.shape != b.shape:
+            raise ValueError(f"{name}: d and b must have one shape; got {tuple(d.shape)}, {tuple(b.shape)}")
+        return b / d
+
+    @op.register_fake
+    def _(d, b):
+        if d.shape != b.shape:
+            raise ValueError(f"{name}: d and b must have one shape; got {tuple(d.shape)}, {tuple(b.shape)}")
+        return torch.empty_like(b)
+
+    def setup_context(ctx, inputs, output):
+        ctx.save_for_backward(inputs[0], output)
+
+    def backward(ctx, grad_x):
+        d, x = ctx.saved_tensors
+        v = op(d, grad_x)
+        return -v * x, v
+
+    op.register_autograd(backward, setup_context=setup_context)
+    return op
+
+
+@torch_trap
+def test_torch_func_gives_zero_tangents_and_grad_raises_through_register_autograd():
+    # section 11.3's last cell: torch.func.jvp returns zeros without an error, grad raises
+    op = _diagonal_op("scale_func")
+    d = torch.tensor([2.0, 4.0], dtype=DTYPE)
+    b = torch.tensor([1.0, 3.0], dtype=DTYPE)
+    _, tangent = torch.func.jvp(op, (d, b), (torch.ones_like(d), torch.ones_like(b)))
+    _, expected = torch.func.jvp(lambda d, b: b / d, (d, b), (torch.ones_like(d), torch.ones_like(b)))
+    if expected.abs().max() == 0:
+        pytest.fail("the reference tangent is zero: the test cannot tell")
+    if tangent.abs().max() != 0:
+        pytest.fail(f"torch.func.jvp through register_autograd now gives {tangent.tolist()}: "
+                    "chapter 11's limit is gone, update the chapter")
+    with pytest.raises(RuntimeError, match="setup_context"):
+        torch.func.grad(lambda d: op(d, b).sum())(d)
+
+
+@pytest.mark.slow
+def test_under_torch_compile_the_fake_kernels_value_error_arrives_wrapped():
+    # step 7: the spec's ValueError reaches the caller inside Dynamo's own error
+    op = _diagonal_op("scale_compile")
+    compiled = torch.compile(lambda d, b: op(d, b).sum(), fullgraph=True)
+    try:
+        with pytest.raises(Exception) as caught:
+            compiled(torch.ones(3, dtype=DTYPE), torch.ones(2, dtype=DTYPE))
+    finally:
+        torch.compiler.reset()
+    assert not isinstance(caught.value, ValueError)
+    assert "scale_compile: d and b must have one shape; got (3,), (2,)" in str(caught.value)

@@ -108,3 +108,36 @@ def test_the_route_figures_the_chapter_quotes(route_seconds):
     for route in (FAST, FUSED, DIRECT, APPLY):
         assert m(route, "forward", 256, 1024) <= 1.02
         assert m(route, "backward", 256, 1024) <= 1.15
+
+
+def test_jit_trace_is_refused_with_the_reason():
+    # section 13.2: under torch.jit.trace the routing raises instead of recording a constant
+    dl, d, du, b = make_system(6, seed=2)
+    with pytest.raises(RuntimeError, match="torch.jit.trace cannot record this op"):
+        torch.jit.trace(lambda diag: tridiagonal_solve(dl, diag, du, b), (d,))
+
+
+def test_wrong_inputs_on_the_fast_path_get_the_general_paths_typed_error():
+    # section 13.2: where the C++ op refuses the inputs, validation says what is wrong
+    dl, d, du, b = make_system(6, seed=3)
+    with pytest.raises(ValueError):
+        tridiagonal_solve(dl[:-1], d, du, b)
+    with pytest.raises(TypeError):
+        tridiagonal_solve(dl, d.float(), du, b)
+
+
+def test_export_bakes_the_resolved_driver_into_the_graph():
+    # section 13.8: driver=None is resolved once, while exporting, and kept as a constant
+    from tridiag_tutorial import cpp_available, kernels
+
+    class Solve(torch.nn.Module):
+        def forward(self, d, y):
+            off = torch.full((d.shape[-1] - 1,), -0.5, dtype=d.dtype)
+            return tridiagonal_solve(off, d, off, y)
+
+    d = torch.full((16,), 3.0, dtype=F64)
+    y = torch.randn(16, 2, dtype=F64)
+    exported = torch.export.export(Solve(), (d, y))
+    drivers = [node.args[-1] for node in exported.graph.nodes if str(node.target).startswith("tridiag_tutorial.solve")]
+    assert drivers == [kernels.choose_driver("cpu", F64, 1, 16, cpp_available())]
+    close(exported.module()(d, y), dense(torch.full((15,), -0.5, dtype=F64), d, torch.full((15,), -0.5, dtype=F64), y))
