@@ -7,12 +7,13 @@ Design (chapter 13 explains it; chapter 5 shows the traps it gets around)::
         |   C++ kernel: its op, directly (with a gradient, in functions._CppSolve); it checks
         |   the inputs, and where it refuses them, the path below validates them and says why
         |   validate + broadcast (one place); the driver resolved (kernels.resolve_driver)
-        |-- nothing observes the call (no grad, no transform, no mode): the kernel, directly
-        |-- eager:     functions._TridiagonalSolve  autograd.Function: backward, jvp, vmap
-        |-- compiling: torch.ops.tridiag_tutorial.solve
+        |-- compiling or exporting: torch.ops.tridiag_tutorial.solve
         |                                           schema in C++ (csrc/tridiag.cpp); fake kernel,
         |                                           an Autograd kernel that works under
         |                                           torch.func, and a vmap rule (registration)
+        |-- torch.jit.trace: RuntimeError (the trace would hold the solution as a constant)
+        |-- nothing observes the call (no grad, no transform, no mode): the kernel, directly
+        |-- eager:     functions._TridiagonalSolve  autograd.Function: backward, jvp, vmap
         `-- all run the kernel that ``driver`` names (tridiag_tutorial.kernels): LAPACK, the C++
             kernel, or the sequential or partitioned kernel in torch ops
 
