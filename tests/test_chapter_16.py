@@ -312,9 +312,11 @@ class CountDtypes(TorchDispatchMode):
         return out
 
 
-def test_on_mps_the_automatic_choice_reaches_the_partitioned_kernel_which_writes_float64():
-    assert choose_driver("mps", torch.float32, 1, 16, False) == "sequential"
-    assert choose_driver("mps", torch.float32, 1, 64, False) == "partitioned"
+def test_on_mps_the_automatic_choice_stays_off_the_partitioned_kernel_which_writes_float64():
+    for n in (16, 64, 10**6):
+        assert choose_driver("mps", torch.float32, 1, n, False) == "sequential"
+        assert choose_driver("mps", torch.float32, 4096, n, False) == "sequential"
+    assert choose_driver("cuda", torch.float32, 1, 64, False) == "partitioned"  # CUDA is unchanged
     lower, diag, upper, rhs = (t.float() for t in random_system(100, seed=2))
     written = {}
     for name, kernel in (("sequential", sequential.solve), ("partitioned", partitioned.solve)):
@@ -323,3 +325,13 @@ def test_on_mps_the_automatic_choice_reaches_the_partitioned_kernel_which_writes
         written[name] = counter.dtypes
     assert torch.float64 not in written["sequential"] and torch.float32 in written["sequential"]
     assert torch.float64 in written["partitioned"]
+
+
+def test_naming_the_partitioned_kernel_on_mps_is_refused_with_the_reason():
+    from tridiag_tutorial import kernels
+    mps = torch.device("mps")  # a device object: no MPS hardware needed to check the refusal
+    with pytest.raises(ValueError, match="driver='partitioned' computes its check in float64, which "
+                                         "MPS lacks; use driver=None or 'sequential'"):
+        kernels._check_driver("partitioned", kernels.DRIVERS, mps, "tridiagonal_solve")
+    assert kernels._check_driver("sequential", kernels.DRIVERS, mps, "tridiagonal_solve") == "sequential"
+    assert kernels._check_driver("partitioned", kernels.DRIVERS, torch.device("cpu"), "x") == "partitioned"

@@ -83,18 +83,18 @@ cuda    False  2       real    sequential  sequential  partitioned partitioned p
 cuda    False  2       complex sequential  sequential  partitioned partitioned partitioned
 cuda    False  1000    real    sequential  sequential  partitioned partitioned partitioned
 cuda    False  1000    complex sequential  sequential  partitioned partitioned partitioned
-mps     True   1       real    sequential  sequential  partitioned partitioned partitioned
-mps     True   1       complex sequential  sequential  partitioned partitioned partitioned
-mps     True   2       real    sequential  sequential  partitioned partitioned partitioned
-mps     True   2       complex sequential  sequential  partitioned partitioned partitioned
-mps     True   1000    real    sequential  sequential  partitioned partitioned partitioned
-mps     True   1000    complex sequential  sequential  partitioned partitioned partitioned
-mps     False  1       real    sequential  sequential  partitioned partitioned partitioned
-mps     False  1       complex sequential  sequential  partitioned partitioned partitioned
-mps     False  2       real    sequential  sequential  partitioned partitioned partitioned
-mps     False  2       complex sequential  sequential  partitioned partitioned partitioned
-mps     False  1000    real    sequential  sequential  partitioned partitioned partitioned
-mps     False  1000    complex sequential  sequential  partitioned partitioned partitioned
+mps     True   1       real    sequential  sequential  sequential  sequential  sequential
+mps     True   1       complex sequential  sequential  sequential  sequential  sequential
+mps     True   2       real    sequential  sequential  sequential  sequential  sequential
+mps     True   2       complex sequential  sequential  sequential  sequential  sequential
+mps     True   1000    real    sequential  sequential  sequential  sequential  sequential
+mps     True   1000    complex sequential  sequential  sequential  sequential  sequential
+mps     False  1       real    sequential  sequential  sequential  sequential  sequential
+mps     False  1       complex sequential  sequential  sequential  sequential  sequential
+mps     False  2       real    sequential  sequential  sequential  sequential  sequential
+mps     False  2       complex sequential  sequential  sequential  sequential  sequential
+mps     False  1000    real    sequential  sequential  sequential  sequential  sequential
+mps     False  1000    complex sequential  sequential  sequential  sequential  sequential
 """
 
 

@@ -78,9 +78,10 @@ def choose_driver(device_type: str, dtype: torch.dtype, batch: int, n: int, cpp:
       (``--torch-kernels-only`` counts both; chapter 16). That part is a judgement from the
       operation counts for few systems, where launches dominate, not a GPU measurement: the
       partitioned kernel writes about 17 times the sequential kernel's elements, so a large
-      batch, bound by memory bandwidth on a GPU, should favour the sequential kernel. Devices
-      without float64 (Apple's MPS) are not supported: the partitioned kernel's check computes
-      in float64.
+      batch, bound by memory bandwidth on a GPU, should favour the sequential kernel.
+    - **MPS** (Apple's GPUs, without float64): the sequential kernel at every size, since the
+      partitioned kernel's check computes in float64 (``driver="partitioned"`` is refused there).
+      Not run on MPS hardware: a judgement from the dtypes each kernel writes (chapter 16).
     """
     if device_type == "cpu":
         # the dtype and n first: for real dtypes and for small systems the batch size is not
@@ -88,6 +89,8 @@ def choose_driver(device_type: str, dtype: torch.dtype, batch: int, n: int, cpp:
         if cpp and (not dtype.is_complex or n <= CPP_ONE_COMPLEX_SYSTEM_MAX_N or batch >= 2):
             return "cpp"
         return "lapack"
+    if device_type == "mps":  # no float64 there: the partitioned kernel's check needs it
+        return "sequential"
     return "partitioned" if n >= PARTITIONED_MIN_N else "sequential"
 
 
@@ -106,6 +109,10 @@ def _check_driver(driver, allowed, device: torch.device, name: str) -> str:
         use = ", ".join(["driver=None"] + others[:-1]) + " or " + others[-1]
         raise ValueError(f"{name}: driver={driver!r} runs on CPU tensors only, got tensors on "
                          f"{device}; use {use}")
+    if driver == "partitioned" and device.type == "mps":
+        raise ValueError(f"{name}: driver='partitioned' computes its check in float64, which MPS "
+                         f"lacks; use driver=None or 'sequential' on MPS, or move the tensors to "
+                         f"the CPU")
     if driver == "cpp" and not _CPP:
         raise RuntimeError(f"{name}: driver='cpp': " + compiled._missing_message())
     return driver
@@ -116,7 +123,8 @@ def resolve_driver(driver: str | None, rhs: torch.Tensor, name: str = "tridiagon
     checked (a name of ``DRIVERS`` that can run on ``rhs``'s device), or the automatic choice.
 
     Raises:
-        ValueError: an unknown driver, or ``"lapack"`` / ``"cpp"`` for tensors not on the CPU.
+        ValueError: an unknown driver, ``"lapack"`` / ``"cpp"`` for tensors not on the CPU, or
+            ``"partitioned"`` on MPS.
         RuntimeError: ``"cpp"`` where the C++ kernel was not built.
     """
     if driver is None:  # math.prod, not numel(): numel() would specialize an exported batch size
