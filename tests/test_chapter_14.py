@@ -4,6 +4,7 @@ recomputed here: the shipped library's symbols, the kernel against LAPACK, its e
 import re
 import shutil
 import subprocess
+import sys
 
 import pytest
 import torch
@@ -91,3 +92,44 @@ def test_the_import_stub_the_chapter_shows_is_the_packages():
     assert re.search(r"PyMODINIT_FUNC PyInit__C\(void\)", cpp)
     assert re.search(r'PyModuleDef_HEAD_INIT, "_C"', cpp)
     assert re.search(r"try:\n\s+from \.\. import _C\n\s+except ImportError.*\n\s+_C = None", python)
+
+
+LIBRARY_ALONE = """
+import sys
+import torch
+torch.ops.load_library(sys.argv[1])
+op = torch.ops.tridiag_tutorial
+g = torch.Generator().manual_seed(0)
+lower, upper = (torch.randn(7, generator=g, dtype=torch.float64) for _ in range(2))
+diag = 4 + torch.rand(8, generator=g, dtype=torch.float64)
+rhs = torch.randn(8, 2, generator=g, dtype=torch.float64)
+dense = torch.diag(diag) + torch.diag(lower, -1) + torch.diag(upper, 1)
+expected = torch.linalg.solve(dense, rhs)
+for driver in ("cpp", "lapack", "sequential", "partitioned"):
+    x = op.solve(lower, diag, upper, rhs, None, None, "N", driver)
+    print(driver, float((x - expected).abs().max()) < 1e-12)
+attempts = {"lu_factor": lambda: op.lu_factor(lower, diag, upper, "sequential"),
+            "trans": lambda: op.solve(lower, diag, upper, rhs, None, None, "T", "cpp"),
+            "factors": lambda: op.solve(lower, diag, upper, rhs, diag, diag.int(), "N", "lapack")}
+for name, attempt in attempts.items():
+    try:
+        attempt()
+        print(name, "ran")
+    except RuntimeError:
+        print(name, "refused")
+print("imported", any(m.startswith("tridiag_tutorial") for m in sys.modules))
+"""
+
+
+@pytest.mark.slow
+def test_the_library_alone_solves_from_the_bands_on_any_driver_and_refuses_the_rest():
+    """Section 14.6 (and chapter 13's section 13.8): in a process that loads only the library, the
+    composite kernel solves whatever driver the graph recorded, and refuses factoring, solves from
+    factors and trans other than 'N'."""
+    require_cpp()
+    run = subprocess.run([sys.executable, "-c", LIBRARY_ALONE, str(compiled.library_path())],
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert run.stdout.split("\n")[:-1] == [
+        "cpp True", "lapack True", "sequential True", "partitioned True",
+        "lu_factor refused", "trans refused", "factors refused", "imported False"]
