@@ -134,6 +134,20 @@ def test_partitioned_matches_lapack_on_a_large_system():
 
 
 @pytest.mark.slow
+def test_the_large_system_is_ill_conditioned_and_the_refined_kernel_is_not_fooled():
+    """Section 16.5: LAPACK, backward stable, is far from the extended-precision reference
+    (the system amplifies round-off); the refined partitioned kernel is within a few eps."""
+    large = random_system(10**5, seed=5)
+    x_ref = accuracy.reference(*(t.numpy() for t in large[:3]), large[3][:, None].numpy())
+    eps = torch.finfo(F64).eps
+    err = {d: accuracy.forward_error(tridiagonal_solve(*large, driver=d)[:, None].numpy(), x_ref)
+           for d in ("lapack", "partitioned")}
+    if np.finfo(np.longdouble).eps < np.finfo(np.float64).eps:  # an extended-precision reference
+        assert err["lapack"] > 100 * eps
+        assert err["partitioned"] < 10 * eps
+
+
+@pytest.mark.slow
 def test_partitioned_gradients_pass_gradcheck_in_both_modes():
     system = [t.requires_grad_() for t in random_system(70, k=2, seed=6)]
     assert gradcheck(functools.partial(tridiagonal_solve, driver="partitioned"), system, check_forward_ad=True)
