@@ -36,7 +36,8 @@ CHAPTERS = [
     "17_distributed.ipynb",
 ]
 # no cell needs the kernel: no "skipped:" line to expect
-NO_GUARD = {"03_adjoint.ipynb", "09_application.ipynb", "12_performance.ipynb", "17_distributed.ipynb"}
+NO_GUARD = {"03_adjoint.ipynb", "09_application.ipynb", "12_performance.ipynb", "13_production_op.ipynb",
+            "17_distributed.ipynb"}
 CELL_TIMEOUT_S = 600
 CHECK = "C++ kernel available in this run:"
 CHECK_CELL = f"import tridiag_tutorial\nprint({CHECK!r}, tridiag_tutorial.cpp_available())"
