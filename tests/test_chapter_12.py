@@ -11,6 +11,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 from tridiag_tutorial.bench import reference
 
@@ -381,7 +382,7 @@ def test_the_profile_detaches_four_inputs_forward_and_three_bands_backward():
     assert counts == [{"detach": 4, "aten::lift_fresh": 1}, {"detach": 3, "aten::lift_fresh": 1}]
 
 
-@pytest.mark.skipif(not __import__("torch").__version__.startswith("2.13."),
+@pytest.mark.skipif(not torch.__version__.startswith("2.13."),
                     reason="measured on torch 2.13, which the chapter runs on: on 2.14.1 "
                            "_compat.function_apply falls back to Function.apply, which binds")
 def test_the_op_skips_the_binding(monkeypatch):

@@ -95,16 +95,20 @@ def _one_system(report: dict) -> dict:
             "columns": list(ONE_SYSTEM_COLUMNS), "rows": out}
 
 
+def _accuracy_row(row: dict) -> list:
+    # ratios rounded to six figures; None where a column does not apply
+    return [row.get(c) if c not in ("max_ratio", "reversed_max_ratio") or row.get(c) is None
+            else float(f"{row[c]:.6g}") for c in ACCURACY_COLUMNS]
+
+
 def _accuracy(accuracy: dict) -> dict:
     entry = accuracy["kernels"]["pieces"]
-    rows = [[row.get(c) if c not in ("max_ratio", "reversed_max_ratio") or row.get(c) is None
-             else float(f"{row[c]:.6g}") for c in ACCURACY_COLUMNS] for row in entry["rows"]]
-    return {"machine": entry["machine"], "columns": list(ACCURACY_COLUMNS), "rows": rows}
+    return {"machine": entry["machine"], "columns": list(ACCURACY_COLUMNS),
+            "rows": [_accuracy_row(row) for row in entry["rows"]]}
 
 
 def _partitioned(accuracy: dict) -> dict:
-    rows = [[label] + [row.get(c) if c not in ("max_ratio", "reversed_max_ratio") or row.get(c) is None
-                       else float(f"{row[c]:.6g}") for c in ACCURACY_COLUMNS]
+    rows = [[label] + _accuracy_row(row)
             for key, label in _VARIANTS.items() for row in accuracy["kernels"][key]["rows"]]
     return {"machine": accuracy["machine"], "columns": list(PARTITIONED_COLUMNS), "rows": rows}
 
