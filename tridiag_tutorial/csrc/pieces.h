@@ -91,6 +91,12 @@ constexpr double kCancellation = 1e3;
 constexpr double kCombine = 8;  // (see run_pieces, step 3)
 constexpr int64_t kProbeTiles = 8;       // from this many tiles on, the first one decides early
 constexpr double kAmplification = 1e3;  // (see run_pieces)
+// The spikes' entries that are cut to zero (see cut_spike): during elimination, the subnormal
+// ones (below the smallest normal number: these values carry their row's scale); in the
+// substitution, the answers below kSpikeFloor (the smallest normal number over eps: 1e-31 in
+// float32, 1e-292 in float64; v and w are ratios of unknowns, unchanged when A's rows are scaled).
+template <typename R>
+constexpr R kSpikeFloor = std::numeric_limits<R>::min() / std::numeric_limits<R>::epsilon();
 constexpr int kWideVectors = 2;  // 32-byte vectors a tile (AVX2): W = 8 doubles, 16 floats
 
 // One system: L, U n-1 and D n reals, B n x k row-major. Row r's entries, identity rows past n.
@@ -141,6 +147,19 @@ struct PieceTile {
   static constexpr int W = NV * VL;
 
   static TT_INLINE V vabs(V x) { return (V)((I)x & (I{} + Lane<V>::kMag)); }
+  // A spike entry, zero where its magnitude is below floor. A spike decays geometrically where
+  // A_q is diagonally dominant: computed to the end of its piece, it passes through subnormal
+  // numbers, which some CPUs (the Intel Xeon measured) handle with a slow microcode path on every
+  // operation that reads or writes one, up to twice the whole piece's time. Cut, it stops: the
+  // entries below it stay zero. The error this adds to x is at most the floor times |x|'s
+  // largest entry, far below eps. NaN and infinities are kept (the checks see them).
+  static TT_INLINE V cut_spike(V x, V floor) {
+#ifdef TT_SPIKE_PROBE
+    TT_SPIKE_PROBE(x);  // a test's count of the entries before the cut (tests/spike_probe.cpp)
+#endif
+    const V zero{};
+    return vabs(x) < floor ? zero : x;
+  }
 
 #if TT_HAVE_SHUFFLE
   // v[r][j] <- v[j][r] (VL vectors of VL lanes): log2(VL) butterfly stages of two-vector
@@ -272,6 +291,7 @@ struct PieceTile {
     const V zero{};
     const V one = zero + R(1);
     const V tiny = zero + R(kTinyPivot) * std::numeric_limits<R>::epsilon();
+    const V floor = zero + std::numeric_limits<R>::min();  // the subnormal spike entries
     V bad = zero;
     for (int64_t i = 0; i + 1 < m; ++i) {
       ahead.next();
@@ -307,7 +327,7 @@ struct PieceTile {
           const V x0 = ld<V>(b0 + k * W);
           const V q = sw ? zero : x0;
           st(b0 + k * W, q);
-          st(b0 + (K + k) * W, (sw ? x0 : zero) - f * q);
+          st(b0 + (K + k) * W, cut_spike((sw ? x0 : zero) - f * q, floor));
           if (i + 2 == m) {  // c e_m: zero down to here, c in the last row
             const V x1 = ld<V>(s.c + o * VL);
             const V q2 = sw ? x1 : zero;
@@ -367,8 +387,11 @@ struct PieceTile {
 
   // Back substitution of the K columns, x in place of b; mag [K][W]: each column's max |x| (a
   // value that is not finite reaches the first row: every row's x enters the one above).
-  static TT_INLINE void substitute(int64_t m, int64_t K, const TileRows<R>& s, R* mag) {
+  // Columns from `spikes` on are spikes: their entries below kSpikeFloor are cut to zero.
+  static TT_INLINE void substitute(int64_t m, int64_t K, int64_t spikes, const TileRows<R>& s,
+                                   R* mag) {
     const V zero{};
+    const V floor = zero + kSpikeFloor<R>;
     for (int64_t j = 0; j < K; ++j) {
       for (int o = 0; o < NV; ++o) st(mag + j * W + o * VL, zero);
     }
@@ -381,7 +404,7 @@ struct PieceTile {
           V t = ld<V>(bi + j * W);
           if (i + 1 < m) t = t - u * ld<V>(bi + (K + j) * W);
           if (i + 2 < m) t = t - f * ld<V>(bi + (2 * K + j) * W);
-          const V x = t / p;
+          const V x = j < spikes ? t / p : cut_spike(t / p, floor);
           st(bi + j * W, x);
           R* mg = mag + j * W + o * VL;
           const V ax = vabs(x), old = ld<V>(mg);
@@ -515,7 +538,7 @@ TT_INLINE int run_pieces(const System<R>& A, R* X, int64_t m, int64_t P) {
   for (int64_t t = 0; t < tiles; ++t) {
     Tile::load(A, m, t, K, true, s);
     if (!Tile::eliminate(m, k, K, s, ahead(t + 1))) return -1;
-    Tile::substitute(m, K, s, mag);
+    Tile::substitute(m, K, k, s, mag);
     Tile::store_columns(s, m, K, k, t, A.n, X, Vs, Ws);
     for (int64_t w = 0; w < W; ++w) {
       const int64_t q = t * W + w;
@@ -596,7 +619,7 @@ TT_INLINE int run_pieces(const System<R>& A, R* X, int64_t m, int64_t P) {
       }
     }
     if (!Tile::eliminate(m, k, k, s, Prefetch<R>{{A.D, A.U, A.L, A.B}})) return -1;
-    Tile::substitute(m, k, s, mag);
+    Tile::substitute(m, k, k, s, mag);
     for (int64_t w = 0; w < W; ++w) {
       const int64_t q = t * W + w, s0 = q * m;
       for (int64_t j = 0; j < k; ++j) {
