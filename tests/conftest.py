@@ -152,7 +152,7 @@ SLOW_TESTS = {
     "test_install::test_without_extension_compile_and_gradcheck",  # the same fixture
     "test_install::test_cpp_library_works_without_the_python_package",  # a child process (4 s)
     "test_pieces::test_sixteen_byte_lanes_pass_the_same_tests",  # a child pytest run (20-25 s)
-    "test_pieces::test_spikes_stop_before_subnormal_numbers",  # g++ builds a probe (4 s)
+    "test_pieces::test_spikes_stop_before_subnormal_numbers",  # g++ builds two probes (8 s)
     # gloo process groups: 2 and 4 spawned ranks, each a fresh interpreter importing torch
     "test_sharding::test_dtensor_solve_and_factorization",  # one job per world size (10-20 s)
     "test_sharding::test_in_a_fresh_process_the_ops_fail_until_the_rules_are_registered",

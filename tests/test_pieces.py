@@ -15,7 +15,6 @@ only in where it is (its payload is not compared)."""
 import contextlib
 import gc
 import os
-import pathlib
 import shutil
 import subprocess
 import sys
@@ -706,11 +705,11 @@ def test_sixteen_byte_lanes_pass_the_same_tests():
 # ----------------------------------------------------------------------------------------------
 # A spike decays geometrically across a piece where it is diagonally dominant; computed to the end
 # of its piece it passes through subnormal numbers, on which some CPUs take a slow path (measured
-# on an Intel Xeon: up to 1.3 times ?sgtsv's time on these families at n = 4096, where the kernel
-# takes 0.6 without them). The kernel cuts a spike to zero below the smallest normal number
-# (cut_spike). tests/spike_probe.cpp counts every spike entry the kernel computes, before the cut:
-# without the cut, 2 to 6 in 100 of them are subnormal on these families (float32, n = 4096) and
-# 3 in 100 for dominant float64 at n = 1e5; with it, fewer than 1 in 400 (1 in 100 with scaled
+# on an Intel Xeon: up to 1.3 times ?sgtsv's time on these families at n = 4096). The kernel cuts a
+# spike to zero before that (cut_spike). bench.spikes.probe builds csrc/spike_probe.cpp, which
+# counts every spike entry the kernel computes, before the cut, and can build the kernel without
+# the cut: there 2 to 6 in 100 entries are subnormal on these families (float32, n = 4096), 3 in
+# 100 for dominant float64 at n = 1e5; with the cut, fewer than 1 in 400 (1 in 100 with scaled
 # rows): where a spike crosses the threshold, and a neighbour.
 SPIKE_CASES = [("dominant", 4096, torch.float32), ("pivoting", 4096, torch.float32),
                ("heat_1", 4096, torch.float32), ("nearly_singular_block", 4096, torch.float32),
@@ -718,48 +717,43 @@ SPIKE_CASES = [("dominant", 4096, torch.float32), ("pivoting", 4096, torch.float
                ("poisson", 4096, torch.float32)]
 
 
-@pytest.fixture(scope="module")
-def spike_probe(tmp_path_factory):
-    """tests/spike_probe.cpp built with g++ against the package's csrc/pieces.h."""
-    gxx = shutil.which("g++")
-    if gxx is None:
-        pytest.skip("needs g++")
-    here = pathlib.Path(__file__).parent
-    csrc = here.parent / "tridiag_tutorial" / "csrc"
-    out = tmp_path_factory.mktemp("probe") / "spike_probe"
-    build = subprocess.run([gxx, "-O2", "-std=c++17", "-w", f"-I{csrc}",
-                            str(here / "spike_probe.cpp"), "-o", str(out)],
-                           capture_output=True, text=True, timeout=300)
-    assert build.returncode == 0, build.stderr[-3000:]
-    return out
+def spike_bound(family):
+    """How many spike entries per subnormal one the cut must keep at least: with scaled rows an
+    eliminated entry carries its row's scale (down to 1e-30), so a few more are subnormal before
+    their ratio is negligible, and they are not cut (that would cost accuracy)."""
+    return 100 if family == "scaled_rows" else 400
 
 
 @pytest.mark.parametrize("lanes", ["widest", "16-byte"])
 @pytest.mark.parametrize("family, n, dtype", SPIKE_CASES, ids=str)
-def test_spikes_stop_before_subnormal_numbers(spike_probe, tmp_path, family, n, dtype, lanes):
-    lower, diag, upper, rhs = make_family(family, n, dtype)
-    data = tmp_path / "system.bin"
-    with open(data, "wb") as f:
-        f.write(np.array([n, torch.finfo(dtype).bits // 8], dtype=np.int64).tobytes())
-        for t in (lower, diag, upper, rhs.reshape(-1)):
-            f.write(t.numpy().astype(NUMPY[dtype]).tobytes())
-    env = dict(os.environ)
-    env.pop("TRIDIAG_TUTORIAL_NO_AVX2", None)
-    if lanes == "16-byte":
-        env["TRIDIAG_TUTORIAL_NO_AVX2"] = "1"
-    run = subprocess.run([str(spike_probe), str(data)], capture_output=True, text=True, env=env,
-                         timeout=60)
-    assert run.returncode == 0, run.stderr
-    code, entries, subnormal = (int(v) for v in run.stdout.split())
+def test_spikes_stop_before_subnormal_numbers(family, n, dtype, lanes):
+    if shutil.which("g++") is None:
+        pytest.skip("the spike probe needs g++")
+    from tridiag_tutorial.bench import spikes
+
+    system = make_family(family, n, dtype)
+    cut = spikes.probe(system, lanes=lanes)
     # solved by the pieces (poisson at n = 4096 has fewer than 8 tiles: it stays on them), and
-    # three spike columns' worth of entries seen: v and w in the substitution, v in elimination
-    assert code == 0 and entries >= 3 * n - 3 * 64
-    # scaled_rows: an eliminated entry carries its row's scale (down to 1e-30), so a few more
-    # are subnormal before their ratio is negligible; they are not cut (that would lose accuracy)
-    bound = 100 if family == "scaled_rows" else 400
-    assert subnormal * bound < entries, (subnormal, entries)
-    if family == "poisson":  # its spikes do not decay: none is subnormal
-        assert subnormal == 0
+    # three spike columns' worth of entries counted: v and w in the substitution, v in elimination
+    assert cut.code == 0 and cut.entries >= 3 * n - 3 * 64
+    assert cut.subnormal * spike_bound(family) < cut.entries, cut
+    kept = spikes.probe(system, cut=False, lanes=lanes)  # the same kernel without the cut
+    assert kept.entries == cut.entries
+    if family == "poisson":  # its spikes do not decay: none is subnormal either way
+        assert cut.subnormal == kept.subnormal == 0
+    else:  # without the cut, the bound fails
+        assert kept.subnormal * spike_bound(family) > kept.entries, kept
+
+
+def test_spike_probe_rejects_what_it_cannot_solve():
+    from tridiag_tutorial.bench import spikes
+
+    lower, diag, upper, rhs = make_family("dominant", 2048, torch.float64)
+    with pytest.raises(TypeError, match="float32 or float64"):
+        spikes.probe((lower.to(torch.float16), diag.to(torch.float16), upper.to(torch.float16),
+                      rhs.to(torch.float16)))
+    with pytest.raises(ValueError, match="one system"):
+        spikes.probe((lower, diag, upper[:-1], rhs))
 
 
 # ----------------------------------------------------------------------------------------------

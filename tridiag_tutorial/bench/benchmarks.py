@@ -1839,6 +1839,9 @@ def machine_info():
         "load_average": [round(x, 2) for x in os.getloadavg()] if hasattr(os, "getloadavg")
         else None,  # over the last 1, 5 and 15 minutes: other work on the machine
         "cpp_kernel": kernels.cpp_available(),
+        # the pieces kernel's spikes (kernels.compiled.PIECES_SPIKES): a run's one-system rows
+        # depend on it on CPUs that handle subnormal numbers slowly
+        "pieces_spikes": compiled.PIECES_SPIKES if kernels.cpp_available() else None,
         "python": sys.version.split()[0],
         "torch": torch.__version__,
         "numpy": np.__version__,

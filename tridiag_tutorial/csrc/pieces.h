@@ -27,7 +27,8 @@
 //    the piece (real_kernel's steps, keeping the pivots) on k + 2 right-hand sides,
 //    f_q and the spikes' a e_1 and c e_m, and back substitution: y = A_q^{-1} f_q,
 //    v = A_q^{-1} a e_1, w = A_q^{-1} c e_m. Kept: their first and last rows, and the largest
-//    magnitude of each column.
+//    magnitude of each column. A spike that decays is cut to zero before it becomes subnormal
+//    (cut_spike).
 // 2. The reduced system (reduced_solve): the last unknown of piece q, b_q = x[s+m-1], and the
 //    first of piece q + 1, t_{q+1} = x[s+m], for q < P - 1, from those kept rows:
 //      b_q     + v_q[m-1] b_{q-1} + w_q[m-1] t_{q+1} = y_q[m-1]
@@ -147,19 +148,27 @@ struct PieceTile {
   static constexpr int W = NV * VL;
 
   static TT_INLINE V vabs(V x) { return (V)((I)x & (I{} + Lane<V>::kMag)); }
+  // [book: cut-spike]
   // A spike entry, zero where its magnitude is below floor. A spike decays geometrically where
   // A_q is diagonally dominant: computed to the end of its piece, it passes through subnormal
   // numbers, which some CPUs (the Intel Xeon measured) handle with a slow microcode path on every
   // operation that reads or writes one, up to twice the whole piece's time. Cut, it stops: the
-  // entries below it stay zero. The error this adds to x is at most the floor times |x|'s
-  // largest entry, far below eps. NaN and infinities are kept (the checks see them).
+  // entries below it stay zero. What is cut is subnormal (elimination), where gradual underflow
+  // would keep a few bits of it at most, or a value of the spike itself below min / eps
+  // (substitution), whose term in x (v x[s-1], w x[s+m]) lies far below rounding. NaN and
+  // infinities are kept (the checks see them).
   static TT_INLINE V cut_spike(V x, V floor) {
 #ifdef TT_SPIKE_PROBE
-    TT_SPIKE_PROBE(x);  // a test's count of the entries before the cut (tests/spike_probe.cpp)
+    TT_SPIKE_PROBE(x);  // spike_probe.cpp's count of the entries before the cut
 #endif
+#ifdef TT_SPIKE_KEEP
+    return x;  // spike_probe.cpp's kernel without the cut
+#else
     const V zero{};
     return vabs(x) < floor ? zero : x;
+#endif
   }
+  // [/book: cut-spike]
 
 #if TT_HAVE_SHUFFLE
   // v[r][j] <- v[j][r] (VL vectors of VL lanes): log2(VL) butterfly stages of two-vector

@@ -54,13 +54,17 @@ import torch
 from .._validation import SingularMatrixError
 
 __all__ = ["is_available", "library_path", "thread_budget", "ThreadBudget", "solve", "solve_ex", "solve_backward", "PIECES_MIN_N",
-           "BUILD_ERROR", "repair_command"]
+           "PIECES_SPIKES", "BUILD_ERROR", "repair_command"]
 
 # One real system of this size or more goes to the pieces kernel (the C++ op cpp_solve uses the
 # same number: kPiecesMinN in csrc/pieces.h). From 1024 its pieces have 128 rows or more (64 in single
 # precision); the committed one-system rows show the pieces faster than the sequential
 # elimination from 4096, the smallest size they measure.
 PIECES_MIN_N = 1024
+# What the pieces kernel does with a spike that decays below the normal range (cut_spike in
+# csrc/pieces.h): it stops it there, instead of computing subnormal numbers, which some CPUs
+# handle slowly. The benchmark suite records it with each run.
+PIECES_SPIKES = "cut below the smallest normal number"
 
 #: Set to ``1`` before the package is imported to run as if the C++ kernel had not been built
 #: (every CPU solve on LAPACK): how the tests and the book check the package without it.
