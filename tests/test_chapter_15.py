@@ -110,7 +110,7 @@ def test_the_batch_figures_of_section_15_2():
     """Chapter 12's run: the op on batches against driver='lapack' and JAX, one and two threads."""
     s = batch_seconds()
     cases = sorted({(n, b) for (_, n, b, _) in s})
-    assert len(cases) == 3 and REF["machine"]["date"] == REF["one_system"]["machine"]["date"]
+    assert len(cases) == 3
     ns = {t: [1e9 * s["op", n, b, t] / (n * b) for n, b in cases] for t in (1, 2)}
     assert span(ns[1], 1) == (4.8, 6.9)
     assert span((s["lapack", n, b, 1] / s["op", n, b, 1] for n, b in cases), 1) == (2.9, 4.5)
@@ -122,11 +122,11 @@ def test_the_batch_figures_of_section_15_2():
         lead = [(s[other, n, b, 2] / s["op", n, b, 2]) / (s[other, n, b, 1] / s["op", n, b, 1])
                 for n, b in cases]
         assert all(1.7 < q < 2.1 for q in lead)
-    # ?gtsv on one long system: 17 to 20 ns per unknown, 2.5 to 4 times the op's on batches
+    # ?gtsv on one long system: 17.6 to 20.6 ns per unknown, 2.5 to 4.5 times the op's on batches
     gtsv = [1e9 * r["gtsv_seconds"] / r["n"] for r in REF["one_system"]["rows"]
             if r["dtype"] == "float64" and r["threads"] == 1 and not r["busy"] and r["n"] >= 10**5]
-    assert span(gtsv, 0) == (17, 20)
-    assert 2.5 <= min(gtsv) / max(ns[1]) and max(gtsv) / min(ns[1]) < 4.25
+    assert span(gtsv, 1) == (17.6, 20.6)
+    assert 2.5 <= min(gtsv) / max(ns[1]) and max(gtsv) / min(ns[1]) < 4.5
 
 
 def test_the_one_system_figures_of_section_15_3():
@@ -140,24 +140,23 @@ def test_the_one_system_figures_of_section_15_3():
     handed = {c: [r for r in group[c] if r["handed_back"]] for c in conditions}
     assert all(r["vs_gtsv"] < 1 for rs in pieces.values() for r in rs)
     quiet64 = ("float64", 1, False)
-    assert span(r["vs_gtsv"] for r in pieces[quiet64] if r["n"] == 10**5) == (0.33, 0.36)
-    assert span(r["vs_gtsv"] for r in pieces[quiet64] if r["n"] == 10**6) == (0.36, 0.43)
+    assert span(r["vs_gtsv"] for r in pieces[quiet64] if r["n"] == 10**5) == (0.34, 0.40)
+    assert span(r["vs_gtsv"] for r in pieces[quiet64] if r["n"] == 10**6) == (0.41, 0.48)
+    dominant = next(r for r in pieces[quiet64] if (r["family"], r["n"]) == ("dominant", 10**5))
+    assert round(dominant["vs_gtsv"], 2) == 0.38
     medians = {c: statistics.median(r["vs_gtsv"] for r in group[c]) for c in conditions}
-    assert span(medians[c] for c in conditions if c[0] == "float32") == (0.28, 0.30)
-    assert span(medians[c] for c in conditions if c[0] == "float64") == (0.38, 0.42)
-    for d in ("float32", "float64"):
-        for t in (1, 2):
-            assert abs(medians[d, t, True] - medians[d, t, False]) < 0.04
-        for b in (False, True):
-            assert medians[d, 2, b] > medians[d, 1, b] - 0.01  # a second thread gains nothing
+    assert span(medians[c] for c in conditions if c[0] == "float32") == (0.30, 0.34)
+    assert span(medians[c] for c in conditions if c[0] == "float64") == (0.43, 0.47)
+    for d in ("float32", "float64"):  # a second thread or a busy core moves the medians by 0.05 at most
+        assert max(medians[c] for c in conditions if c[0] == d) - min(
+            medians[c] for c in conditions if c[0] == d) <= 0.05
     assert all({(r["family"], r["n"]) for r in handed[c]} == {("poisson", 10**5), ("poisson", 10**6)}
                for c in conditions)
-    assert span(r["vs_gtsv"] for c in conditions for r in handed[c]) == (1.03, 1.07)
+    assert span(r["vs_gtsv"] for c in conditions for r in handed[c]) == (1.00, 1.11)
     largest = [max(pieces[c], key=lambda r: r["vs_gtsv"]) for c in conditions]
-    assert all(r["n"] == 4096 for r in largest) and span(r["vs_gtsv"] for r in largest) == (0.57, 0.60)
-    assert all(30e-6 < r["op_seconds"] < 45e-6 for c in conditions for r in pieces[c] if r["n"] == 4096)
+    assert all(r["n"] == 4096 for r in largest) and span(r["vs_gtsv"] for r in largest) == (0.59, 0.85)
     small = [r for r in group[quiet64] if r["n"] == 4096]
-    assert (round(1e6 * min(r["op_seconds"] for r in small)), round(1e6 * max(r["op_seconds"] for r in small))) == (38, 41)
+    assert (round(1e6 * min(r["op_seconds"] for r in small)), round(1e6 * max(r["op_seconds"] for r in small))) == (39, 47)
     assert all(r["gtsv_seconds"] > 1.5 * r["op_seconds"] for r in small)
 
 
@@ -240,8 +239,8 @@ def test_the_intel_batch_figures_of_section_15_2():
 def test_the_one_system_figures_of_both_machines():
     amd, xeon = one_system_rows(REF), one_system_rows(INTEL)
     families = {k[0] for k in amd}
-    # AMD, float32 at 4096, one quiet thread: 0.51 to 0.57
-    assert span(over(amd[f, "float32", 1, False, 4096]) for f in families) == (0.51, 0.57)
+    # AMD, float32 at 4096, one quiet thread: 0.53 to 0.59
+    assert span(over(amd[f, "float32", 1, False, 4096]) for f in families) == (0.53, 0.59)
     # Intel, float64 at 1e5: 0.50 to 0.62 on seven families, 0.88 on dominant; poisson handed back
     at_1e5 = {f: xeon[f, "float64", 1, False, 10**5] for f in families}
     seven = [over(r) for f, r in at_1e5.items() if f not in ("dominant", "poisson")]
@@ -253,10 +252,21 @@ def test_the_one_system_figures_of_both_machines():
               if over(xeon[f, "float32", 1, False, 4096]) > 1}
     assert set(slower) == {"dominant", "pivoting", "heat_r1", "scaled_rows", "nearly_singular_block"}
     assert span(slower.values()) == (1.06, 1.31)
-    # the IQRs are a few percent of the medians
+    # the Intel's IQRs are a few percent of the medians; the table's five above 10% (11 to 35%) are
+    # the AMD's
     spreads = [(q[1] - q[0]) / m for r in xeon.values() if r["threads"] == 1 and not r["busy"]
                for q, m in ((r["op_quartiles"], r["op_seconds"]), (r["gtsv_quartiles"], r["gtsv_seconds"]))]
     assert max(spreads) < 0.1 and statistics.median(spreads) < 0.04
+
+    def spread(*rows):
+        return max((q[1] - q[0]) / m for r in rows for q, m in (
+            (r["op_quartiles"], r["op_seconds"]), (r["gtsv_quartiles"], r["gtsv_seconds"])))
+
+    table = [(spread(amd[k]), spread(xeon[k])) for f in families for k in (
+        (f, "float64", 1, False, 10**5), (f, "float64", 1, False, 10**6), (f, "float32", 1, False, 4096))]
+    wide = [max(pair) for pair in table if max(pair) > 0.1]
+    assert len(table) == 27 and len(wide) == 5 and span(wide) == (0.11, 0.35)
+    assert all(a > 0.1 for a, x in table if max(a, x) > 0.1)
     # a second thread or a busy core moved the medians by at most 0.05, on both machines
     for rows in (amd, xeon):
         for d in ("float32", "float64"):
@@ -267,7 +277,7 @@ def test_the_one_system_figures_of_both_machines():
     for rows in (amd, xeon):
         assert {(k[0], k[4]) for k, r in rows.items() if r["handed_back"]} == {("poisson", 10**5),
                                                                               ("poisson", 10**6)}
-    assert span(over(r) for rows in (amd, xeon) for r in rows.values() if r["handed_back"]) == (0.99, 1.08)
+    assert span(over(r) for rows in (amd, xeon) for r in rows.values() if r["handed_back"]) == (0.99, 1.11)
 
 
 def test_fast_decaying_spikes_pass_through_subnormal_numbers():
@@ -290,9 +300,9 @@ def test_fast_decaying_spikes_pass_through_subnormal_numbers():
 
 
 def test_the_batch_gain_over_one_chain_at_1024_by_256_on_each_cpu():
-    """Section 15.2: at 1,024 x 256 the op took 2.5 to 2.9 times less per unknown than ?gtsv on one
+    """Section 15.2: at 1,024 x 256 the op took 2.5 to 3.0 times less per unknown than ?gtsv on one
     long system on the AMD (above the vector width's 2), 1.8 to 2.3 on the Intel (about 2)."""
-    for run, expected in ((REF, (2.5, 2.9)), (INTEL, (1.8, 2.3))):
+    for run, expected in ((REF, (2.5, 3.0)), (INTEL, (1.8, 2.3))):
         op = next(r for r in run["rows"] if r["impl"] == "op" and (r["n"], r["batch"], r["threads"])
                   == (256, 1024, 1) and r["mode"] == "forward" and r["family"] == "dominant"
                   and not r["busy"])

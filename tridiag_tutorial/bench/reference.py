@@ -21,6 +21,11 @@ made with quartiles carry them, ``None`` elsewhere)::
     python -m tridiag_tutorial.bench.reference notebooks/data/benchmark_results.json \
         --second notebooks/data/benchmark_results_intel.json
 
+Each run's machine record says what the C++ kernel's pieces did with spikes that decay below the
+normal range (``pieces_spikes``, as ``kernels.compiled.PIECES_SPIKES`` says for the kernel
+installed): the records of runs made before the kernel cut them were given the value
+"computed to the end of each piece" by hand.
+
 Chapter 16 reads ``partitioned_accuracy``: the accuracy benchmark's rows of the partitioned torch
 kernel, with its check alone (``variant`` "check only") and with refinement ("refine + check").
 
