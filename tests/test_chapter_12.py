@@ -316,13 +316,19 @@ def test_section_12_6_on_the_intel():
     assert round(1e6 * (t("jax", 1000, threads=2) - t("jax", 1000))) == 23
     assert round(1e6 * (ti("jax", 1000, threads=2) - ti("jax", 1000))) == 60
     assert 25e-6 < ti("jax", 1000) < 35e-6 and 25e-6 < t("jax", 1000) < 35e-6
-    # busy / quiet: only JAX's two threads at n = 1000 moved far (1.12 AMD, 0.53 Intel); the rest 0.94 to 1.10
+    # busy / quiet: only JAX's two threads at n = 1000 on the Intel moved far (0.53); the rest,
+    # the AMD's 1.12 there included, 0.94 to 1.12
     busy = {(run, impl, n, k): f(impl, n, threads=k, busy=True) / f(impl, n, threads=k)
             for run, f in (("AMD", t), ("Intel", ti)) for impl in ("op", "lapack", "jax")
             for n in (1000, 10**5) for k in (1, 2)}
     assert round(busy["AMD", "jax", 1000, 2], 2) == 1.12 and round(busy["Intel", "jax", 1000, 2], 2) == 0.53
-    rest = [q for (run, impl, n, k), q in busy.items() if (impl, n, k) != ("jax", 1000, 2)]
-    assert (round(min(rest), 2), round(max(rest), 2)) == (0.94, 1.10)
+    rest = [q for key, q in busy.items() if key != ("Intel", "jax", 1000, 2)]
+    assert (round(min(rest), 2), round(max(rest), 2)) == (0.94, 1.12)
+    # a single-system ratio outside 1 +- 0.15 on both machines: JAX at n = 1000 and 1e4 only
+    for f in (t, ti):
+        outside = {(impl, n) for impl in ("op", "lapack", "jax") for n in SIZES
+                   if abs(f(impl, n) / f(impl, n, threads=2) - 1) > 0.16}  # "about +- 0.15"
+        assert {("jax", 1000), ("jax", 10**4)} <= outside <= {("jax", 1000), ("jax", 10**4), ("jax", 10**6)}
 
 
 def test_section_12_7_on_the_intel():

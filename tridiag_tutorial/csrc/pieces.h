@@ -152,7 +152,7 @@ struct PieceTile {
   // A spike entry, zero where its magnitude is below floor. A spike decays geometrically where
   // A_q is diagonally dominant: computed to the end of its piece, it passes through subnormal
   // numbers, which some CPUs (the Intel Xeon measured) handle with a slow microcode path on every
-  // operation that reads or writes one, up to twice the whole piece's time. Cut, it stops: the
+  // operation that reads or writes one. Cut, it stops: the
   // entries below it stay zero. What is cut is subnormal (elimination), where gradual underflow
   // would keep a few bits of it at most, or a value of the spike itself below min / eps
   // (substitution), whose term in x (v x[s-1], w x[s+m]) lies far below rounding. NaN and
