@@ -21,6 +21,7 @@ saying so.
 
 from __future__ import annotations
 
+import atexit
 import functools
 import os
 import shutil
@@ -55,7 +56,9 @@ def build(count: bool, cut: bool) -> Path:
     if gxx is None:
         raise RuntimeError("spikes.probe needs g++ to build csrc/spike_probe.cpp; none was found "
                            "on PATH (install g++, or read the committed rows instead)")
-    out = Path(tempfile.mkdtemp(prefix="tridiag_spike_probe_")) / "spike_probe"
+    folder = tempfile.mkdtemp(prefix="tridiag_spike_probe_")
+    atexit.register(shutil.rmtree, folder, ignore_errors=True)  # removed when the process ends
+    out = Path(folder) / "spike_probe"
     flags = ["-DTT_SPIKE_COUNT"] * count + ["-DTT_SPIKE_KEEP"] * (not cut)
     run = subprocess.run([gxx, "-O2", "-std=c++17", "-w", *flags, f"-I{_CSRC}",
                           str(_CSRC / "spike_probe.cpp"), "-o", str(out)],

@@ -92,10 +92,7 @@ constexpr double kCancellation = 1e3;
 constexpr double kCombine = 8;  // (see run_pieces, step 3)
 constexpr int64_t kProbeTiles = 8;       // from this many tiles on, the first one decides early
 constexpr double kAmplification = 1e3;  // (see run_pieces)
-// The spikes' entries that are cut to zero (see cut_spike): during elimination, the subnormal
-// ones (below the smallest normal number: these values carry their row's scale); in the
-// substitution, the answers below kSpikeFloor (the smallest normal number over eps: 1e-31 in
-// float32, 1e-292 in float64; v and w are ratios of unknowns, unchanged when A's rows are scaled).
+// Below this a solved spike entry is cut to zero (cut_spike): 1e-31 in float32, 1e-292 in float64.
 template <typename R>
 constexpr R kSpikeFloor = std::numeric_limits<R>::min() / std::numeric_limits<R>::epsilon();
 constexpr int kWideVectors = 2;  // 32-byte vectors a tile (AVX2): W = 8 doubles, 16 floats
@@ -152,11 +149,11 @@ struct PieceTile {
   // A spike entry, zero where its magnitude is below floor. A spike decays geometrically where
   // A_q is diagonally dominant: computed to the end of its piece, it passes through subnormal
   // numbers, which some CPUs (the Intel Xeon measured) handle with a slow microcode path on every
-  // operation that reads or writes one. Cut, it stops: the
-  // entries below it stay zero. What is cut is subnormal (elimination), where gradual underflow
-  // would keep a few bits of it at most, or a value of the spike itself below min / eps
-  // (substitution), whose term in x (v x[s-1], w x[s+m]) lies far below rounding. NaN and
-  // infinities are kept (the checks see them).
+  // operation that reads or writes one. Cut, it stops: the entries below it stay zero. What is
+  // cut is subnormal while eliminating (those values still carry their row's scale), where
+  // gradual underflow would keep a few bits of it at most, or, once solved, a value of the spike
+  // itself below min / eps (kSpikeFloor), whose term in x (v x[s-1], w x[s+m]) lies far below
+  // rounding. NaN and infinities are kept (the checks see them).
   static TT_INLINE V cut_spike(V x, V floor) {
 #ifdef TT_SPIKE_PROBE
     TT_SPIKE_PROBE(x);  // spike_probe.cpp's count of the entries before the cut
