@@ -232,38 +232,38 @@ struct PieceTile {
   static TT_INLINE void load(const System<R>& A, int64_t m, int64_t t, int64_t K, bool spikes,
                              const TileRows<R>& s) {
     const int64_t k = A.k, first = t * W * m;
-    if (first + W * m < A.n) {
-      // Every row of the tile and its coupling below inside the system: VL rows of VL pieces
-      // at a time, transposed into the lanes (m is a multiple of VL).
-      for (int o = 0; o < NV; ++o) {
-        const int64_t s0 = first + o * VL * m;
-        for (int64_t i = 0; i < m; i += VL) {
+    for (int o = 0; o < NV; ++o) {
+      const int64_t s0 = first + o * VL * m;
+      for (int64_t i = 0; i < m; i += VL) {
+        if (s0 + (VL - 1) * m + i + VL < A.n) {
+          // VL rows of VL pieces inside the system, with their coupling below (U and L hold
+          // n - 1 values): at once, transposed into the lanes (m is a multiple of VL).
           gather(A.D + s0, m, i, s.d + i * W + o * VL, W);
           gather(A.U + s0, m, i, s.du + i * W + o * VL, W);
           gather(A.L + s0, m, i, s.fl + i * W + o * VL, W);
-        }
-        if (k == 1) {
-          for (int64_t i = 0; i < m; i += VL) {
-            gather(A.B + s0, m, i, s.b + i * K * W + o * VL, K * W);
-          }
+          if (k == 1) gather(A.B + s0, m, i, s.b + i * K * W + o * VL, K * W);
           continue;
         }
-        for (int64_t i = 0; i < m; ++i) {
-          for (int64_t j = 0; j < k; ++j) {
-            V b;
-            for (int w = 0; w < VL; ++w) b[w] = A.B[(s0 + w * m + i) * k + j];
-            st(s.b + (i * K + j) * W + o * VL, b);
+        // Rows that reach the system's last row or the identity rows past it (the last tile's
+        // last rows, VL pieces at most): one value at a time. Only these: a tile loaded one
+        // value at a time took four times as long to load (measured on an Intel Xeon), which
+        // left a system of one tile (float32, n = 4096) slower than ?gtsv.
+        for (int r = 0; r < VL; ++r) {
+          for (int w = 0; w < VL; ++w) {
+            const int64_t row = s0 + w * m + i + r, e = (i + r) * W + o * VL + w;
+            s.d[e] = A.Dr(row);
+            s.du[e] = A.Ur(row);
+            s.fl[e] = A.Lr(row);
+            if (k == 1) s.b[(i + r) * K * W + o * VL + w] = A.Br(row, 0);
           }
         }
       }
-    } else {
-      for (int w = 0; w < W; ++w) {
-        const int64_t s0 = first + w * m;
-        for (int64_t i = 0; i < m; ++i) {
-          s.d[i * W + w] = A.Dr(s0 + i);
-          s.du[i * W + w] = A.Ur(s0 + i);
-          s.fl[i * W + w] = A.Lr(s0 + i);
-          for (int64_t j = 0; j < k; ++j) s.b[(i * K + j) * W + w] = A.Br(s0 + i, j);
+      if (k == 1) continue;
+      for (int64_t i = 0; i < m; ++i) {
+        for (int64_t j = 0; j < k; ++j) {
+          V b;
+          for (int w = 0; w < VL; ++w) b[w] = A.Br(s0 + w * m + i, j);
+          st(s.b + (i * K + j) * W + o * VL, b);
         }
       }
     }
