@@ -1842,6 +1842,9 @@ def machine_info():
         # the pieces kernel's spikes (kernels.compiled.PIECES_SPIKES): a run's one-system rows
         # depend on it on CPUs that handle subnormal numbers slowly
         "pieces_spikes": compiled.PIECES_SPIKES if kernels.cpp_available() else None,
+        # how it loads its last tile (kernels.compiled.PIECES_LAST_TILE): the time of a system of
+        # one or a few tiles depends on it
+        "pieces_last_tile": compiled.PIECES_LAST_TILE if kernels.cpp_available() else None,
         "python": sys.version.split()[0],
         "torch": torch.__version__,
         "numpy": np.__version__,

@@ -54,7 +54,7 @@ import torch
 from .._validation import SingularMatrixError
 
 __all__ = ["is_available", "library_path", "thread_budget", "ThreadBudget", "solve", "solve_ex", "solve_backward", "PIECES_MIN_N",
-           "PIECES_SPIKES", "BUILD_ERROR", "repair_command"]
+           "PIECES_SPIKES", "PIECES_LAST_TILE", "BUILD_ERROR", "repair_command"]
 
 # One real system of this size or more goes to the pieces kernel (the C++ op cpp_solve uses the
 # same number: kPiecesMinN in csrc/pieces.h). From 1024 its pieces have 128 rows or more (64 in single
@@ -65,6 +65,13 @@ PIECES_MIN_N = 1024
 # csrc/pieces.h): it stops it there, instead of computing subnormal numbers, which some CPUs
 # handle slowly. The benchmark suite records it with each run.
 PIECES_SPIKES = "cut below the smallest normal number"
+# How the pieces kernel loads its last tile, the only one that can reach the system's last row
+# (load in csrc/pieces.h): transposed into the lanes like every other tile, but its last rows. A
+# kernel that loaded the whole last tile one value at a time spent four times as long loading it;
+# a system of one tile (up to 8,192 unknowns in float32, fewer than 4,096 in float64) paid that
+# on every row.
+# The benchmark suite records it with each run.
+PIECES_LAST_TILE = "transposed like the others, but its last rows"
 
 #: Set to ``1`` before the package is imported to run as if the C++ kernel had not been built
 #: (every CPU solve on LAPACK): how the tests and the book check the package without it.
