@@ -24,7 +24,9 @@ made with quartiles carry them, ``None`` elsewhere)::
 Each run's machine record says what the C++ kernel's pieces did with spikes that decay below the
 normal range (``pieces_spikes``, as ``kernels.compiled.PIECES_SPIKES`` says for the kernel
 installed): the records of runs made before the kernel cut them were given the value
-"computed to the end of each piece" by hand.
+"computed to the end of each piece" by hand. Likewise ``pieces_last_tile`` says how it loaded
+the last tile of a system (``kernels.compiled.PIECES_LAST_TILE``): the records of runs made
+before it loaded that tile like the others were given "loaded one value at a time" by hand.
 
 Chapter 16 reads ``partitioned_accuracy``: the accuracy benchmark's rows of the partitioned torch
 kernel, with its check alone (``variant`` "check only") and with refinement ("refine + check").
