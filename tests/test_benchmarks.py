@@ -530,6 +530,44 @@ def test_busy_core_spins_another_process_on_the_last_core_and_ends_it(leave):
     assert pid is not None and gone(pid)
 
 
+def spinning_or_ended(pid: int) -> str:
+    """``"ended"`` where ``pid`` is gone or a zombie (dead, not yet reaped by its new parent),
+    else ``"running"``."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            state = f.read().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        return "ended"
+    return "ended" if state in ("Z", "X") else "running"
+
+
+@pytest.mark.skipif(not can_pin() or len(os.sched_getaffinity(0)) < 2,
+                    reason="needs CPU affinity, /proc and two cores")
+def test_busy_core_spinner_ends_when_its_parent_is_killed():
+    """A process killed inside busy_core runs no clean-up (SIGKILL here, SIGTERM alike): its
+    spinner must end by itself, or every later measurement would run with a core busy."""
+    code = ("import time\nfrom tridiag_tutorial.bench import benchmarks\n"
+            "with benchmarks.busy_core(settle=0.05) as spinner:\n"
+            "    print(spinner.pid, flush=True)\n"
+            "    time.sleep(120)\n")
+    parent = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        pid = int(parent.stdout.readline())
+        before = cpu_seconds(pid)
+        time.sleep(0.3)
+        assert cpu_seconds(pid) - before > 0.1  # it spins
+    finally:
+        parent.kill()
+        parent.wait()
+    deadline = time.monotonic() + 10
+    while spinning_or_ended(pid) == "running" and time.monotonic() < deadline:
+        time.sleep(0.05)
+    state = spinning_or_ended(pid)
+    if state == "running":
+        os.kill(pid, signal.SIGKILL)
+    assert state == "ended"
+
+
 def test_busy_core_starts_nothing_on_one_core(monkeypatch):
     monkeypatch.setattr(benchmarks, "_cpu_cores", lambda: [0])
     monkeypatch.setattr(subprocess, "Popen", lambda *a, **k: pytest.fail("a process started"))

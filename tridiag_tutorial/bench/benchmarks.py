@@ -1363,10 +1363,22 @@ class Spinner:
     process: subprocess.Popen
 
 
+# The spinning process of busy_core: Python's empty loop, in rounds of a few milliseconds, after
+# each of which it checks that the process that started it is still its parent. A parent killed
+# without running its clean-up (SIGTERM, SIGKILL) would otherwise leave it spinning for ever, and
+# every later measurement on the machine would silently run with one core busy.
+SPIN = """import os, sys
+parent = int(sys.argv[1])
+while os.getppid() == parent:
+    for _ in range(100_000):
+        pass
+"""
+
+
 @contextlib.contextmanager
 def busy_core(core: int | None = None, settle: float = BUSY_SETTLE):
-    """Keep one core busy while the block runs: another Python process spinning (``while True:
-    pass``) pinned with ``os.sched_setaffinity`` to ``core`` (default: the last core this process
+    """Keep one core busy while the block runs: another Python process spinning (``SPIN``: an
+    empty loop that ends once this process is no longer its parent) pinned with ``os.sched_setaffinity`` to ``core`` (default: the last core this process
     may use); yields a ``Spinner`` (its ``pid``, ``core`` and ``process``) once it has run for
     ``settle`` seconds, and kills and waits for it on leaving the block, whatever ends it (an
     exception, an interrupt). Yields
@@ -1377,7 +1389,7 @@ def busy_core(core: int | None = None, settle: float = BUSY_SETTLE):
         yield None
         return
     core = cores[-1] if core is None else core
-    process = subprocess.Popen([sys.executable, "-c", "while True: pass"],
+    process = subprocess.Popen([sys.executable, "-c", SPIN, str(os.getpid())],
                                stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL)
     try:
         os.sched_setaffinity(process.pid, {core})
