@@ -60,7 +60,8 @@ def build(count: bool, cut: bool) -> Path:
     atexit.register(shutil.rmtree, folder, ignore_errors=True)  # removed when the process ends
     out = Path(folder) / "spike_probe"
     flags = ["-DTT_SPIKE_COUNT"] * count + ["-DTT_SPIKE_KEEP"] * (not cut)
-    run = subprocess.run([gxx, "-O2", "-std=c++17", "-w", *flags, f"-I{_CSRC}",
+    # the optimisation flags of the wheel's build (setup.py's CXX_FLAGS), without torch
+    run = subprocess.run([gxx, "-O3", "-ffp-contract=off", "-std=c++17", "-w", *flags, f"-I{_CSRC}",
                           str(_CSRC / "spike_probe.cpp"), "-o", str(out)],
                          capture_output=True, text=True, timeout=600)
     if run.returncode != 0:

@@ -26,11 +26,11 @@ its three columns with its neighbours' values (or, where that combination cancel
 solved again). One thread does it all. Its rounding differs from ``?gtsv``'s (it does not pivot
 across the ends of the pieces), so its forward error is close to LAPACK's but not within a fixed
 multiple of it on every system (``python -m tridiag_tutorial.bench.accuracy --kernels pieces``
-measures it; chapter 14 shows the rows). It hands the system to the sequential
+measures it; chapter 15 shows the rows). It hands the system to the sequential
 elimination, which is ``?gtsv``'s, where it cannot vouch for its answer: a zero or non-finite
 pivot in a piece, a step that cancels to rounding, a (nearly) zero pivot in the joining system, a
-value that is not finite, cancellation in a piece, or (decided after the first 8 pieces, once
-there are 64 or more) a coupling that decays too slowly across a piece, as in
+value that is not finite, cancellation in a piece, or (decided after the first tile of 8 or 16
+pieces, once there are 8 tiles or more) a coupling that decays too slowly across a piece, as in
 ``tridiag(-1, 2, -1)``. So a singular system raises where ``?gtsv`` reports it, at its pivot
 (``tests/test_pieces.py``).
 
@@ -69,8 +69,7 @@ PIECES_SPIKES = "cut below the smallest normal number"
 # (load in csrc/pieces.h): transposed into the lanes like every other tile, but its last rows. A
 # kernel that loaded the whole last tile one value at a time spent four times as long loading it;
 # a system of one tile (up to 8,192 unknowns in float32, fewer than 4,096 in float64) paid that
-# on every row.
-# The benchmark suite records it with each run.
+# on every row. The benchmark suite records it with each run.
 PIECES_LAST_TILE = "transposed like the others, but its last rows"
 
 #: Set to ``1`` before the package is imported to run as if the C++ kernel had not been built
