@@ -24,17 +24,20 @@ def _backward_error(lower, diag, upper, rhs, x):
 
 
 def row_sharded_worker(rank, world_size, n):
-    """The chapter's local_map worker: split_solve on a DTensor sharded along n."""
+    """The chapter's local_map worker: split_solve on a DTensor sharded along n, built from each
+    rank's own pieces with DTensor.from_local (nothing moves between the ranks)."""
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import Shard, distribute_tensor
+    from torch.distributed.tensor import DTensor, Shard
     from torch.distributed.tensor.experimental import local_map
 
     solve = local_map(distributed.split_solve, out_placements=[Shard(0)], in_placements=([Shard(0)],) * 4)
     mesh = init_device_mesh("cpu", (world_size,))
-    lower, diag, upper, rhs = parallel_demos.random_system(n)
-    bands = F.pad(lower, (1, 0)), diag, F.pad(upper, (0, 1)), rhs
-    x = solve(*(distribute_tensor(t, mesh, [Shard(0)]) for t in bands))
-    return {"placements": tuple(x.placements), "local": x.to_local(), "x": x.full_tensor()}
+    pieces = distributed.split_bands(*parallel_demos.random_system(n), rank, world_size)
+    inputs = [DTensor.from_local(p, mesh, [Shard(0)]) for p in pieces]
+    x = solve(*inputs)
+    return {"placements": tuple(x.placements), "local": x.to_local(), "x": x.full_tensor(),
+            "shapes": [tuple(t.shape) for t in inputs], "inputs local": [t.to_local() for t in inputs],
+            "pieces": pieces}
 
 
 def test_unequal_slices_need_each_rank_to_scale_its_sum():
@@ -77,6 +80,7 @@ def test_an_uneven_batch_is_refused_on_the_ranks():
     with pytest.raises(WorkerError) as info:
         run_on_ranks(parallel_demos.ddp_worker, 2, parallel_demos.STEPS, parallel_demos.LR, 31)
     assert info.value.type_name == "ValueError" and "does not split evenly" in info.value.worker_message
+    assert info.value.rank in (0, 1)
 
 
 @pytest.mark.slow
@@ -106,6 +110,33 @@ def test_local_map_runs_the_split_solve_on_a_row_sharded_dtensor():
     assert all("Shard(dim=0)" in str(r["placements"]) for r in ranks)
     assert (torch.cat(pieces) - x_lapack).abs().max() / x_lapack.abs().max() < 1e-10
     assert torch.equal(ranks[0]["x"], torch.cat(pieces))
+    # from_local: the global DTensors have n rows, each rank's block is its own piece, unchanged
+    for r in ranks:
+        assert r["shapes"] == [(n,)] * 4
+        assert all(torch.equal(a, b) for a, b in zip(r["inputs local"], r["pieces"]))
+    whole = [torch.cat([r["pieces"][i] for r in ranks]) for i in range(4)]
+    padded = F.pad(system[0], (1, 0)), system[1], F.pad(system[2], (0, 1)), system[3]
+    assert all(torch.equal(a, b) for a, b in zip(whole, padded))
+
+
+@pytest.mark.slow
+def test_the_timing_worker_times_every_route_and_its_phases():
+    rounds = 2
+    ranks = run_on_ranks(parallel_demos.timing_worker, 2, 2000, rounds)
+    for times in ranks:
+        assert list(times) == ["LAPACK, whole system", "split_solve_no_refinement", "split_solve",
+                               "gather_solve"]
+        assert all(len(rows) == rounds for rows in times.values())
+        assert all(list(row) == ["wall"] for row in times["LAPACK, whole system"])
+        for route in ("split_solve_no_refinement", "split_solve", "gather_solve"):
+            for row in times[route]:
+                phases = sum(t for name, t in row.items() if name not in ("wall", "call"))
+                assert 0 < phases <= row["call"] <= row["wall"], (route, row)
+        refined = {name for row in times["split_solve"] for name in row}
+        unrefined = {name for row in times["split_solve_no_refinement"] for name in row}
+        assert any("refinement" in name for name in refined - unrefined)
+        assert not any("refinement" in name for name in unrefined)
+        assert any(name.startswith("gather:") for name in times["gather_solve"][0])
 
 
 @pytest.mark.slow
@@ -123,7 +154,12 @@ def test_the_split_solve_is_accurate_and_sends_a_fixed_amount():
         x = torch.cat([r["x"] for r in ranks])
         assert (x - x_lapack).abs().max() / x_lapack.abs().max() < 1e-10
         assert _backward_error(*system, x) < 1e-15
-        assert all(r["fallbacks"] == {"split_solve": 0, "gather_solve": 0} for r in ranks)
+        # what refinement buys: without it the backward error is many times larger
+        unrefined = _backward_error(*system, torch.cat([r["x_no_refinement"] for r in ranks]))
+        assert unrefined > 10 * _backward_error(*system, x)
+        assert all(r["fallbacks"] == {"split_solve": 0, "split_solve_no_refinement": 0,
+                                      "gather_solve": 0} for r in ranks)
+        assert all(r["collectives"]["split_solve_no_refinement"] == 3 for r in ranks)
         assert all(r["sent"]["split_solve"] < 10_000 for r in ranks)
         assert all(r["sent"]["gather_solve"] > 10**7 for r in ranks)
         formula = distributed.communication(n, world_size)

@@ -490,9 +490,72 @@ def check_communication(rank, world_size):
     assert big["sent"] == 4 * (10**6 // world_size) * 8 * (world_size - 1)
 
 
+SPLIT_PHASES = ["split: probes and finiteness", "split: 1. block factor and solve",
+                "split: 2. all_gather of the ends", "split: 3. reduced system and recovery"]
+REFINEMENT_PHASES = ["split: 4. refinement: all_gathers",
+                     "split: 4. refinement: residual in double-double",
+                     "split: 4. refinement: block solve",
+                     "split: 4. refinement: reduced system and recovery"]
+GATHER_PHASES = ["gather: pack", "gather: all_gather of the whole system",
+                 "gather: assemble on the host", "gather: LAPACK on the whole system",
+                 "gather: keep the rank's rows"]
+
+
+def check_phase_times(rank, world_size):
+    """record() times each route's phases, in the order they run, inside the call: the split
+    solve with and without refinement, the gather, a fallback (the split phases up to the failed
+    check, then the gather's); the phases are disjoint, so they sum to at most the call; nested
+    records both see a call; the residual in double-double is built only when refining, once;
+    a solve outside record() leaves no trace."""
+    pieces = ds.split_bands(*make_system(4000, dtype=torch.float64, seed=43, dominant=True),
+                            rank, world_size)
+    routes = {"split": (lambda: ds.split_solve(*pieces),
+                        SPLIT_PHASES + REFINEMENT_PHASES + ["split: 5. checks"]),
+              "no refinement": (lambda: ds.split_solve(*pieces, refinement_steps=0),
+                                SPLIT_PHASES + ["split: 5. checks"]),
+              "gather": (lambda: ds.gather_solve(*pieces), GATHER_PHASES)}
+    for route, (solve, phases) in routes.items():
+        with ds.record() as outer:
+            with ds.record() as rec:
+                solve()
+            solve()
+        assert list(rec.seconds) == ["call", "validate", *phases], (route, list(rec.seconds))
+        assert all(t > 0 for t in rec.seconds.values()), (route, rec.seconds)
+        inside = sum(t for name, t in rec.seconds.items() if name != "call")
+        assert inside <= rec.seconds["call"], (route, rec.seconds)
+        assert outer.seconds["call"] > rec.seconds["call"]  # two calls against one
+    # the double-double residual is built only where it is used: once per refined solve
+    built = []
+    original = ds.solve.partitioned._Residual
+
+    class Counting(original):
+        def __init__(self, *args):
+            built.append(1)
+            super().__init__(*args)
+
+    ds.solve.partitioned._Residual = Counting
+    try:
+        ds.split_solve(*pieces, refinement_steps=0)
+        assert built == [], "refinement_steps=0 built the residual"
+        ds.split_solve(*pieces, refinement_steps=3)
+        assert built == [1], built
+    finally:
+        ds.solve.partitioned._Residual = original
+    before = len(ds.solve._RECORDS)
+    ds.split_solve(*pieces)
+    assert len(ds.solve._RECORDS) == before == 0
+    sizes = ds.split_sizes(24, world_size)
+    system = _zero_first_column(accuracy.make("random", 24, np.float64, 5), sizes, 1)
+    _, rec = solve_pieces(system, sizes, rank)
+    assert rec.fallbacks == 1
+    assert list(rec.seconds) == ["call", "validate", *SPLIT_PHASES[:3], *GATHER_PHASES], list(
+        rec.seconds)
+
+
 CHECKS = [check_forward_accuracy, check_nearly_singular_piece, check_complex, check_batch,
           check_fallback_on_singular_block, check_singular_raises, check_non_finite,
-          check_bad_input, check_gradients_match_dense, check_gradcheck, check_communication]
+          check_bad_input, check_gradients_match_dense, check_gradcheck, check_communication,
+          check_phase_times]
 
 
 def _worker(rank, world_size, port, folder):
@@ -692,3 +755,8 @@ def test_the_communication_harness_measures_the_formula(capsys):
     assert all(r["matches"] and r["sent"] == r["formula_sent"] for r in rows)
     assert all(r["max_difference_from_lapack"] < 1e-10 for r in rows)
     assert len(capsys.readouterr().out.splitlines()) == len(rows)
+
+
+@pytest.mark.slow  # reads the spawned jobs, as the tests SLOW_TESTS names in tests/conftest.py
+def test_record_times_each_phase(job):
+    _assert_passed(job, check_phase_times)

@@ -12,7 +12,7 @@ module, not in the chapter's cells, because a spawned process imports the functi
 - :func:`dtensor_worker`: the op called on ``DTensor`` inputs, with or without the sharding rules
   of :mod:`tridiag_tutorial.distributed.sharding`.
 - :func:`split_solve_worker`: one system whose rows are spread over the ranks
-  (:mod:`tridiag_tutorial.distributed.solve`).
+  (:mod:`tridiag_tutorial.distributed.solve`), and :func:`timing_worker`: its solves timed.
 
 :func:`train_one_process` is the reference: the same training on the whole batch in one process.
 Everything is float64 and seeded, so the ranks build the same model and the same data.
@@ -29,7 +29,7 @@ from ..api import tridiagonal_solve
 
 __all__ = ["N", "FEATURES", "BATCH", "STEPS", "LR", "BandedSolveModel", "make_data",
            "train_one_process", "hello_worker", "ddp_worker", "fsdp_worker", "DTENSOR_CASES",
-           "dtensor_worker", "random_system", "split_solve_worker", "first_line"]
+           "dtensor_worker", "random_system", "split_solve_worker", "timing_worker", "first_line"]
 
 #: Unknowns per system of the demo model.
 N = 16
@@ -292,25 +292,68 @@ def split_solve_worker(rank: int, world_size: int, n: int, seed: int = 3) -> dic
 
     Every rank draws the same global system (:func:`random_system`) and keeps only its
     consecutive rows (``split_bands``), as a simulation split across machines would hold them;
-    then the ranks solve it together. The same pieces are solved a second time with
-    ``gather_solve``, which gathers the whole system on every rank and solves it with LAPACK,
-    the baseline. ``record()`` counts, on this rank, the bytes each solve sends.
+    then the ranks solve it together, with refinement and without (``refinement_steps=0``). The
+    same pieces are solved a third time with ``gather_solve``, which gathers the whole system on
+    every rank and solves it with LAPACK, the baseline. ``record()`` counts, on this rank, the
+    bytes each solve sends.
 
-    Returns ``{"x": this rank's rows of the solution, "rows": how many, "sent": bytes sent
-    per solve, "collectives": their number, "fallbacks"}``, each of the last three a dict
-    ``{"split_solve": ..., "gather_solve": ...}``.
+    Returns ``{"x": this rank's rows of the split solve's solution, "x_no_refinement": the same
+    without refinement, "rows": how many, "sent": bytes sent per solve, "collectives": their
+    number, "fallbacks"}``, each of the last three a dict keyed by the route:
+    ``"split_solve"``, ``"split_solve_no_refinement"``, ``"gather_solve"``.
     """
+    from functools import partial
+
     from .. import distributed as distributed_solve
 
     pieces = distributed_solve.split_bands(*random_system(n, seed), rank, world_size)
     out = {"rows": pieces[1].shape[-1], "sent": {}, "collectives": {}, "fallbacks": {}}
-    for name, solve in (("split_solve", distributed_solve.split_solve),
-                        ("gather_solve", distributed_solve.gather_solve)):
+    routes = {"split_solve": distributed_solve.split_solve,
+              "split_solve_no_refinement": partial(distributed_solve.split_solve, refinement_steps=0),
+              "gather_solve": distributed_solve.gather_solve}
+    for name, solve in routes.items():
         with distributed_solve.record() as counted:
             x = solve(*pieces)
-        if name == "split_solve":
-            out["x"] = x
+        if name != "gather_solve":
+            out["x" if name == "split_solve" else "x_no_refinement"] = x
         out["sent"][name] = counted.bytes_sent
         out["collectives"][name] = len(counted.collectives)
         out["fallbacks"][name] = counted.fallbacks
     return out
+
+
+def timing_worker(rank: int, world_size: int, n: int, rounds: int, seed: int = 3) -> dict:
+    """Wall-clock times of four ways to solve the system of :func:`split_solve_worker`.
+
+    ``rounds`` rounds after a warm-up round that is dropped; in each, the four solves one after
+    the other (interleaved, so that a slow spell of the machine falls on every route), each
+    started from a barrier: LAPACK on the whole system (which every rank holds here), the split
+    solve without refinement and with it, and ``gather_solve``. ``record()`` times the phases of
+    each distributed call (:attr:`~tridiag_tutorial.distributed.solve.SolveRecord.seconds`).
+
+    Returns ``{route: [one dict per round]}`` on this rank, a dict ``{"wall": seconds of the
+    call, phase name: seconds}`` (no phases for LAPACK).
+    """
+    import time
+    from functools import partial
+
+    from .. import distributed as distributed_solve
+
+    system = random_system(n, seed)
+    pieces = distributed_solve.split_bands(*system, rank, world_size)
+    split_solve = distributed_solve.split_solve
+    routes = {"LAPACK, whole system": partial(tridiagonal_solve, *system, driver="lapack"),
+              "split_solve_no_refinement": partial(split_solve, *pieces, refinement_steps=0),
+              "split_solve": partial(split_solve, *pieces),
+              "gather_solve": partial(distributed_solve.gather_solve, *pieces)}
+    times = {name: [] for name in routes}
+    for round_ in range(rounds + 1):
+        for name, solve in routes.items():
+            torch.distributed.barrier()
+            with distributed_solve.record() as phases:
+                start = time.perf_counter()
+                solve()
+                wall = time.perf_counter() - start
+            if round_ > 0:  # round 0 warms up
+                times[name].append({"wall": wall, **phases.seconds})
+    return times

@@ -113,6 +113,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
+import time
 from typing import NamedTuple
 
 import torch
@@ -155,17 +156,25 @@ _REAL = {torch.float32: torch.float32, torch.float64: torch.float64,
 # --------------------------------------------------------------------------------------------
 # Counting what crosses the network
 # --------------------------------------------------------------------------------------------
-@dataclasses.dataclass
+@dataclasses.dataclass(eq=False)  # records compare by identity: record() removes its own
 class SolveRecord:
     """What the solves inside a :func:`record` block did on this rank.
 
     ``collectives``: ``(what, bytes, world_size)`` for each ``all_gather``, ``bytes`` being the size
     of the tensor this rank contributed. ``solves``: split solves run (a backward is one more);
-    ``fallbacks``: those of them that fell back to gathering the whole system."""
+    ``fallbacks``: those of them that fell back to gathering the whole system. ``seconds``: the
+    wall-clock seconds of each phase of the solves on this rank, summed over the block, in the
+    order first met: ``"call"`` is each forward call whole, validation included, and the other
+    names are the steps of the module docstring (``"split: ..."``, and ``"gather: ..."`` for
+    :func:`gather_solve` and a fallback); what ``"call"`` holds beyond its phases is the autograd
+    and Python around them. A phase's own collective includes the time spent waiting there for the
+    slowest rank. On CUDA every phase synchronizes the device at both ends, so a recorded call
+    runs more slowly than one outside :func:`record`."""
 
     collectives: list = dataclasses.field(default_factory=list)
     solves: int = 0
     fallbacks: int = 0
+    seconds: dict = dataclasses.field(default_factory=dict)
 
     @property
     def bytes_contributed(self) -> int:
@@ -193,6 +202,33 @@ def record():
         yield r
     finally:
         _RECORDS.remove(r)
+
+
+class _Phase:
+    """Adds the wall-clock time of its block to every open record's ``seconds[name]``."""
+
+    def __init__(self, name: str, device: torch.device):
+        self.name, self.cuda = name, device.type == "cuda"
+
+    def __enter__(self):
+        for r in _RECORDS:  # the names in the order the phases begin
+            r.seconds.setdefault(self.name, 0.0)
+        if self.cuda:  # CUDA returns before the work is done: wait for it at both ends
+            torch.cuda.synchronize()
+        self.start = time.perf_counter()
+
+    def __exit__(self, *exc):
+        if self.cuda:
+            torch.cuda.synchronize()
+        elapsed = time.perf_counter() - self.start
+        for r in _RECORDS:
+            r.seconds[self.name] = r.seconds.get(self.name, 0.0) + elapsed
+        return False
+
+
+def _phase(name: str, device: torch.device):
+    """A context that times its block into the open records, or nothing outside :func:`record`."""
+    return _Phase(name, device) if _RECORDS else contextlib.nullcontext()
 
 
 def _all_gather_op():
@@ -553,71 +589,86 @@ def _spike_solve(lower, diag, upper, rhs, layout: _Layout, steps: int):
     eps = torch.finfo(real).eps
     k = rhs.shape[-1]
     K = k + _PROBES
-    b = torch.cat([rhs, _probe(lower, diag, upper, layout)], dim=-1)
-    bands_bad = ~(torch.isfinite(lower).all(-1) & torch.isfinite(diag).all(-1)
-                  & torch.isfinite(upper).all(-1))  # (*B,)
-    columns_bad = ~torch.isfinite(rhs).all(-2)  # (*B, k)
+    device = diag.device
+    with _phase("split: probes and finiteness", device):
+        b = torch.cat([rhs, _probe(lower, diag, upper, layout)], dim=-1)
+        bands_bad = ~(torch.isfinite(lower).all(-1) & torch.isfinite(diag).all(-1)
+                      & torch.isfinite(upper).all(-1))  # (*B,)
+        columns_bad = ~torch.isfinite(rhs).all(-2)  # (*B, k)
 
     # 1. the block, with the two spikes beside the right-hand sides
-    block = _Block(lower, diag, upper)
-    spike_rhs = torch.zeros(*b.shape[:-1], 2, dtype=dtype, device=b.device)
-    spike_rhs[..., 0, 0] = lower[..., 0]
-    spike_rhs[..., -1, 1] = upper[..., -1]
-    solved = block.solve(torch.cat([b, spike_rhs], dim=-1))
-    y, v, w = solved[..., :K], solved[..., K], solved[..., K + 1]
-    growth = torch.maximum(v.abs().amax(-1), w.abs().amax(-1))  # NaN stays NaN
+    with _phase("split: 1. block factor and solve", device):
+        block = _Block(lower, diag, upper)
+        spike_rhs = torch.zeros(*b.shape[:-1], 2, dtype=dtype, device=b.device)
+        spike_rhs[..., 0, 0] = lower[..., 0]
+        spike_rhs[..., -1, 1] = upper[..., -1]
+        solved = block.solve(torch.cat([b, spike_rhs], dim=-1))
+        y, v, w = solved[..., :K], solved[..., K], solved[..., K + 1]
+        growth = torch.maximum(v.abs().amax(-1), w.abs().amax(-1))  # NaN stays NaN
 
     # 2. one all_gather: the ends of y, v, w, and what the checks need
-    packet = _Packet(real, diag.device)
-    for t in (_ends(y), torch.stack([v[..., 0], v[..., -1]], -1),
-              torch.stack([w[..., 0], w[..., -1]], -1), bands_bad, columns_bad, growth,
-              torch.tensor(block.failed)):
-        packet.add(t)
-    Y, V, W, BB, CB, GR, FAILED = packet.gather(layout, "reduced")
-    system_bad, column_bad = BB.any(0), CB.any(0)  # the same on every rank
-    finite = ~system_bad
-    unstable = finite & ~(eps * GR.amax(0) <= GROWTH_TOL)
-    if bool(FAILED.any()) or bool(unstable.any()):  # decided from gathered numbers: everywhere
+    with _phase("split: 2. all_gather of the ends", device):
+        packet = _Packet(real, diag.device)
+        for t in (_ends(y), torch.stack([v[..., 0], v[..., -1]], -1),
+                  torch.stack([w[..., 0], w[..., -1]], -1), bands_bad, columns_bad, growth,
+                  torch.tensor(block.failed)):
+            packet.add(t)
+        Y, V, W, BB, CB, GR, FAILED = packet.gather(layout, "reduced")
+        system_bad, column_bad = BB.any(0), CB.any(0)  # the same on every rank
+        finite = ~system_bad
+        unstable = finite & ~(eps * GR.amax(0) <= GROWTH_TOL)
+        fall_back = bool(FAILED.any()) or bool(unstable.any())
+    if fall_back:  # decided from gathered numbers: everywhere
         return _gather_solve(lower, diag, upper, rhs, layout, system_bad, column_bad), True
 
     # 3. the reduced system, solved on every rank; the recovery
-    spikes = _Spikes(v, w, *_reduced_factors(V, W, layout, wide))
-    x = _recover(y, spikes, _solve_reduced(spikes, Y, dtype), layout)
+    with _phase("split: 3. reduced system and recovery", device):
+        spikes = _Spikes(v, w, *_reduced_factors(V, W, layout, wide))
+        x = _recover(y, spikes, _solve_reduced(spikes, Y, dtype), layout)
 
     # 4. refinement: residuals across ranks in more than the working precision
-    residual = partitioned._Residual(F.pad(lower, (0, 1)), F.pad(diag, (1, 1)),
-                                     F.pad(upper, (1, 0)), F.pad(b, (0, 0, 1, 1)))
-    correction = None
+    residual = correction = None
     for _ in range(steps):
-        prev, nxt = _neighbours(_all_gather_ends(x, layout, "x_boundaries"), layout)
-        r = residual(torch.cat([prev[..., None, :], x, nxt[..., None, :]], dim=-2))[..., 1:-1, :]
-        yc = block.solve(r)
-        Yc = _all_gather_ends(yc, layout, "y_boundaries")
-        correction = _recover(yc, spikes, _solve_reduced(spikes, Yc, dtype), layout)
-        x = x + correction
+        with _phase("split: 4. refinement: all_gathers", device):
+            prev, nxt = _neighbours(_all_gather_ends(x, layout, "x_boundaries"), layout)
+        with _phase("split: 4. refinement: residual in double-double", device):
+            if residual is None:  # the bands split for double-double once, only when refining
+                residual = partitioned._Residual(F.pad(lower, (0, 1)), F.pad(diag, (1, 1)),
+                                                 F.pad(upper, (1, 0)), F.pad(b, (0, 0, 1, 1)))
+            r = residual(torch.cat([prev[..., None, :], x, nxt[..., None, :]], dim=-2))[..., 1:-1, :]
+        with _phase("split: 4. refinement: block solve", device):
+            yc = block.solve(r)
+        with _phase("split: 4. refinement: all_gathers", device):
+            Yc = _all_gather_ends(yc, layout, "y_boundaries")
+        with _phase("split: 4. refinement: reduced system and recovery", device):
+            correction = _recover(yc, spikes, _solve_reduced(spikes, Yc, dtype), layout)
+            x = x + correction
 
     # 5. the checks, on gathered maxima
-    packet = _Packet(real, diag.device)
-    packet.add(x.abs().amax(-2))  # (*B, K); NaN stays NaN
-    if correction is not None:
-        packet.add(correction.abs().amax(-2))
-    packet.add(spikes.singular)
-    packet.add(torch.tensor(block.failed))
-    gathered = packet.gather(layout, "check")
-    x_max = gathered[0].amax(0)
-    converged = torch.isfinite(x_max)
-    if correction is not None:
-        converged &= gathered[1].amax(0) <= CONVERGENCE_TOL * eps * x_max
-    singular_reduced, failed = gathered[-2].any(0), gathered[-1].any()
-    checked = finite[..., None] & torch.cat(
-        [~column_bad, torch.ones_like(column_bad[..., :1]).expand(*column_bad.shape[:-1], _PROBES)],
-        dim=-1)
-    # the probes' solutions are (D^{-1} A)^{-1} z with |z| <= 1: large means (nearly) singular
-    singular = ~(eps * x_max[..., k:].amax(-1) <= 1 / SINGULAR_MARGIN)
-    if (bool(failed) or bool((checked & ~converged).any())
-            or bool((finite & (singular | singular_reduced)).any())):
+    with _phase("split: 5. checks", device):
+        packet = _Packet(real, diag.device)
+        packet.add(x.abs().amax(-2))  # (*B, K); NaN stays NaN
+        if correction is not None:
+            packet.add(correction.abs().amax(-2))
+        packet.add(spikes.singular)
+        packet.add(torch.tensor(block.failed))
+        gathered = packet.gather(layout, "check")
+        x_max = gathered[0].amax(0)
+        converged = torch.isfinite(x_max)
+        if correction is not None:
+            converged &= gathered[1].amax(0) <= CONVERGENCE_TOL * eps * x_max
+        singular_reduced, failed = gathered[-2].any(0), gathered[-1].any()
+        checked = finite[..., None] & torch.cat(
+            [~column_bad,
+             torch.ones_like(column_bad[..., :1]).expand(*column_bad.shape[:-1], _PROBES)], dim=-1)
+        # the probes' solutions are (D^{-1} A)^{-1} z with |z| <= 1: large means (nearly) singular
+        singular = ~(eps * x_max[..., k:].amax(-1) <= 1 / SINGULAR_MARGIN)
+        fall_back = (bool(failed) or bool((checked & ~converged).any())
+                     or bool((finite & (singular | singular_reduced)).any()))
+    if fall_back:
         return _gather_solve(lower, diag, upper, rhs, layout, system_bad, column_bad), True
-    return _mask(x[..., :k], system_bad, column_bad), False
+    with _phase("split: 5. checks", device):
+        return _mask(x[..., :k], system_bad, column_bad), False
 
 
 def _all_gather_ends(t, layout: _Layout, what: str) -> torch.Tensor:
@@ -641,20 +692,27 @@ def _gather_solve(lower, diag, upper, rhs, layout: _Layout, system_bad=None, col
     LAPACK raises on every rank alike (the same data, the same pivots)."""
     rows = max(layout.sizes)
     m = diag.shape[-1]
-    local = torch.cat([lower[..., None], diag[..., None], upper[..., None], rhs], dim=-1)
-    local = F.pad(local, (0, 0, 0, rows - m))  # (*B, rows, 3 + k)
-    packet = _Packet(_REAL[diag.dtype], diag.device)
-    packet.add(local)
-    gathered = packet.gather(layout, "gather_system")[0]  # (P, *B, rows, 3 + k)
-    full = torch.cat([gathered[p, ..., :size, :] for p, size in enumerate(layout.sizes)], dim=-2)
-    host = full.cpu()
-    x = tridiagonal_solve(host[..., 1:, 0], host[..., 1], host[..., :-1, 2], host[..., 3:],
-                          driver="lapack").to(diag.device)
-    x = x[..., layout.offset:layout.offset + m, :]
-    if system_bad is None:  # the baseline itself: find the non-finite systems from the whole
-        system_bad = ~torch.isfinite(full[..., :3]).flatten(-2).all(-1)
-        column_bad = ~torch.isfinite(full[..., 3:]).all(-2)
-    return _mask(x, system_bad, column_bad)
+    device = diag.device
+    with _phase("gather: pack", device):
+        local = torch.cat([lower[..., None], diag[..., None], upper[..., None], rhs], dim=-1)
+        local = F.pad(local, (0, 0, 0, rows - m))  # (*B, rows, 3 + k)
+        packet = _Packet(_REAL[diag.dtype], diag.device)
+        packet.add(local)
+    with _phase("gather: all_gather of the whole system", device):
+        gathered = packet.gather(layout, "gather_system")[0]  # (P, *B, rows, 3 + k)
+    with _phase("gather: assemble on the host", device):
+        full = torch.cat([gathered[p, ..., :size, :] for p, size in enumerate(layout.sizes)],
+                         dim=-2)
+        host = full.cpu()
+    with _phase("gather: LAPACK on the whole system", device):
+        x = tridiagonal_solve(host[..., 1:, 0], host[..., 1], host[..., :-1, 2], host[..., 3:],
+                              driver="lapack").to(diag.device)
+    with _phase("gather: keep the rank's rows", device):
+        x = x[..., layout.offset:layout.offset + m, :]
+        if system_bad is None:  # the baseline itself: find the non-finite systems from the whole
+            system_bad = ~torch.isfinite(full[..., :3]).flatten(-2).all(-1)
+            column_bad = ~torch.isfinite(full[..., 3:]).all(-2)
+        return _mask(x, system_bad, column_bad)
 
 
 def _solve(lower, diag, upper, rhs, layout: _Layout, steps: int, method: str):
@@ -718,12 +776,15 @@ class _SplitSolve(torch.autograd.Function):
 
 
 def _run(lower, diag, upper, rhs, group, steps, method, name):
-    p = _validate(lower, diag, upper, rhs, group, name, steps, method)  # steps checked there too
-    if p.empty:  # the same on every rank: nothing to solve, no collective more
-        x = p.rhs.new_zeros(p.rhs.shape)
-    else:
-        x = _SplitSolve.apply(p.lower, p.diag, p.upper, p.rhs, p.layout, steps, method)
-    return x.squeeze(-1) if p.vector else x
+    device = diag.device if isinstance(diag, torch.Tensor) else torch.device("cpu")
+    with _phase("call", device):
+        with _phase("validate", device):
+            p = _validate(lower, diag, upper, rhs, group, name, steps, method)  # steps too
+        if p.empty:  # the same on every rank: nothing to solve, no collective more
+            x = p.rhs.new_zeros(p.rhs.shape)
+        else:
+            x = _SplitSolve.apply(p.lower, p.diag, p.upper, p.rhs, p.layout, steps, method)
+        return x.squeeze(-1) if p.vector else x
 
 
 def split_solve(lower: torch.Tensor, diag: torch.Tensor, upper: torch.Tensor, rhs: torch.Tensor,
