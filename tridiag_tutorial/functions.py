@@ -264,6 +264,7 @@ def _unfused_backward(lower, diag, upper, x, grad_x):
     return (*bands, v.reshape(x.shape))
 
 
+# [book: cpp-function]
 class _CppSolve(torch.autograd.Function):
     """The C++ kernel with reverse-mode autograd and nothing else, for :func:`_solve_on_cpp`: a
     gradient is asked for, but no transform, forward-AD level or mode can see the call, so the
