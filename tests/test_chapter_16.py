@@ -12,7 +12,7 @@ from torch.autograd import gradcheck
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import tridiag_tutorial
-from tridiag_tutorial import to_dense, tridiag_matmul, tridiagonal_solve
+from tridiag_tutorial import kernels, to_dense, tridiag_matmul, tridiagonal_solve
 from tridiag_tutorial.bench import accuracy, reference
 from tridiag_tutorial.kernels import choose_driver, lapack, partitioned, sequential
 from tridiag_tutorial.reference import dense_solve
@@ -350,10 +350,97 @@ def test_on_mps_the_automatic_choice_stays_off_the_partitioned_kernel_which_writ
 
 
 def test_naming_the_partitioned_kernel_on_mps_is_refused_with_the_reason():
-    from tridiag_tutorial import kernels
     mps = torch.device("mps")  # a device object: no MPS hardware needed to check the refusal
     with pytest.raises(ValueError, match="driver='partitioned' computes its check in float64, which "
                                          "MPS lacks; use driver=None or 'sequential'"):
         kernels._check_driver("partitioned", kernels.DRIVERS, mps, "tridiagonal_solve")
     assert kernels._check_driver("sequential", kernels.DRIVERS, mps, "tridiagonal_solve") == "sequential"
     assert kernels._check_driver("partitioned", kernels.DRIVERS, torch.device("cpu"), "x") == "partitioned"
+
+
+# Added claims: counts near the switch, the unchecked kernel, the condition estimate, which test
+# of the check rejects an answer, and the refusal on MPS through the public driver check.
+
+def test_one_systems_operation_counts_cross_between_16_and_32_below_the_switch():
+    counts = {n: (count_ops(sequential.solve, *random_system(n, seed=n)).compute,
+                  count_ops(partitioned.solve, *random_system(n, seed=n)).compute) for n in (16, 32, 64, 128)}
+    assert counts[16][0] < counts[16][1]
+    assert all(counts[n][0] > counts[n][1] for n in (32, 64, 128))
+    assert 2 * counts[64][1] < counts[64][0]  # "under half the sequential kernel's" at the switch
+    assert kernels.PARTITIONED_MIN_N == 64
+
+
+def test_refinement_and_check_are_about_half_the_partitioned_operations():
+    for n in (10**3, 10**4):
+        system = random_system(n, seed=n)
+        checked = count_ops(partitioned.solve, *system).compute
+        unchecked = count_ops(partitioned.solve_unchecked, *system).compute
+        assert 0.35 < unchecked / checked < 0.65
+
+
+@pytest.mark.slow
+def test_the_condition_estimate_times_eps_is_the_size_of_lapacks_error():
+    large = random_system(10**5, seed=5)
+    eps = torch.finfo(F64).eps
+    z = 2 * torch.rand(10**5, 1, dtype=F64, generator=torch.Generator().manual_seed(0)) - 1
+    a_max = max(t.abs().max() for t in large[:3])
+    condition = float(a_max * tridiagonal_solve(*large[:3], z, driver="lapack").abs().max() / z.abs().max())
+    x_ref = accuracy.reference(*(t.numpy() for t in large[:3]), large[3][:, None].numpy())
+    error = accuracy.forward_error(tridiagonal_solve(*large, driver="lapack")[:, None].numpy(), x_ref)
+    assert condition * eps > 100 * eps  # ill conditioned
+    if np.finfo(np.longdouble).eps < np.finfo(np.float64).eps:
+        assert 0.01 < error / (condition * eps) < 10
+
+
+def _systems_for_the_check():
+    for seed in range(6):
+        yield [torch.from_numpy(a) for a in accuracy.make("badly_scaled_rows", 64, np.float64, seed)]
+    for delta in (1e-2, 1e-6, 1e-10, 1e-12, 1e-14, 0.0):
+        lower, diag, upper, rhs = random_system(70, seed=7)
+        lower[2], diag[3] = 0.0, delta
+        yield [lower, diag, upper, rhs[:, None]]
+    yield [t[..., None] if i == 3 else t for i, t in enumerate(random_system(300, batch=(3,), seed=4))]
+
+
+def test_check_values_fail_exactly_where_the_kernel_falls_back():
+    from tridiag_tutorial.book.partitioned_check import check_values, failed
+    outcomes = set()
+    for system in _systems_for_the_check():
+        fell_back = partitioned.solve_ex(*system)[1]
+        assert bool(failed(check_values(*system))) == fell_back
+        outcomes.add(fell_back)
+    assert outcomes == {True, False}  # both verdicts are exercised
+
+
+def test_only_the_growth_test_rejects_the_nearly_singular_block_of_exercise_1():
+    from tridiag_tutorial.book.partitioned_check import check_values, failed
+    eps = torch.finfo(F64).eps
+    for delta, rejected in ((1e-12, []), (1e-14, ["growth"])):
+        lower, diag, upper, rhs = random_system(70, seed=7)
+        lower[2], diag[3] = 0.0, delta
+        values = check_values(lower, diag, upper, rhs[:, None])
+        assert failed(values) == rejected
+        assert 0.1 / delta < values["growth"] / eps < 1e3 / delta  # spikes grow like 1 / delta
+
+
+def test_resolve_driver_refuses_the_partitioned_kernel_for_an_mps_device():
+    import types
+    stand_in = types.SimpleNamespace(device=torch.device("mps"))
+    with pytest.raises(ValueError, match="driver='partitioned' computes its check in float64"):
+        kernels.resolve_driver("partitioned", stand_in)
+    assert kernels.resolve_driver("sequential", stand_in) == "sequential"
+
+
+@pytest.mark.parametrize("systems, n", [(1024, 16), (1, 1024)])
+def test_without_refinement_and_check_the_partitioned_kernel_writes_under_twice_the_sequential_elements(systems, n):
+    system = random_system(n, batch=(systems,), seed=n)
+    ratio = _elements(partitioned.solve_unchecked, *system) / _elements(sequential.solve, *system)
+    assert 1 < ratio < 2
+
+
+def test_the_probe_test_rejects_the_singular_matrix_of_section_16_7():
+    from tridiag_tutorial.book.partitioned_check import check_values, failed
+    lower, diag, upper, _ = random_system(64, seed=8)
+    lower[3], upper[5] = 0.0, 0.0
+    lower[4], diag[5] = 0.5 * diag[4], 0.5 * upper[4]
+    assert "probe" in failed(check_values(lower, diag, upper, torch.ones(64, 1, dtype=F64)))
