@@ -94,6 +94,21 @@ def test_the_import_stub_the_chapter_shows_is_the_packages():
     assert re.search(r"try:\n\s+from \.\. import _C\n\s+except ImportError.*\n\s+_C = None", python)
 
 
+def test_the_import_stub_shown_is_the_minimal_form_of_one_with_one_function():
+    """Section 14.7 labels its PyInit__C "the minimal form": the package's own lists one function in
+    a methods[] table (whence Py_BuildValue among the CPython functions _C needs)."""
+    package = tridiag_tutorial.__file__.rsplit("/", 1)[0]
+    with open(f"{package}/csrc/tridiag.cpp") as f:
+        cpp = f.read()
+    stub = cpp[cpp.index("PyMODINIT_FUNC PyInit__C(void)"):]
+    stub = stub[:stub.index("\n}\n") + 3]
+    table = re.search(r"PyMethodDef (\w+)\[\] = \{(.*?)\};", stub, re.S)
+    assert table, stub
+    entries = re.findall(r"\{\s*(\"\w+\"|nullptr)", table[2])
+    assert len(entries) == 2 and entries[-1] == "nullptr", entries
+    assert re.search(rf"PyModuleDef_HEAD_INIT, \"_C\", nullptr, -1, {table[1]}\}}", stub)
+
+
 LIBRARY_ALONE = """
 import sys
 import torch
