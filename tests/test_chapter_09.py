@@ -2,9 +2,10 @@
 
 The chapter prints the figures; these tests check the claims its prose draws from them: the
 finite-volume operator is symmetric negative definite, Crank-Nicolson with a backward Euler start
-is the only one of the three schemes whose error stays below the noise at 25 steps, factoring the
-step matrix once gives the snapshots and gradient of solving every step, and the gradient through
-the tridiagonal solver equals the dense solver's."""
+is the only one of the three schemes whose error stays below the noise at 25 steps (and smoothing
+the jump of kappa lets plain Crank-Nicolson catch up), factoring the step matrix once gives the
+snapshots and gradient of solving every step, the gradient through the tridiagonal solver equals
+the dense solver's, and the compiled objective's forward and backward graphs hold every solve."""
 
 import math
 
@@ -90,6 +91,22 @@ def test_only_the_crank_nicolson_start_stays_below_the_noise():
     assert min(errors["be"], errors["cn"]) > SIGMA
 
 
+def test_smoothing_the_jump_lets_plain_crank_nicolson_catch_up():
+    """The jump of kappa is what excites the components that plain Crank-Nicolson leaves undamped."""
+    h, x, faces = grid(63)
+    u0 = initial(x)
+    smooth = 0.5 + torch.exp(-((faces - 0.3) / 0.07) ** 2) + 0.35 * (1 + torch.tanh((faces - 0.65) / 0.03))
+    gaps = {}
+    with torch.no_grad():
+        for name, kappa in (("jump", kappa_true(faces)), ("smooth", smooth)):
+            reference = simulate(kappa, u0, h, 0.1 / 2000, 2000)[399::400]
+            cn, start = ((simulate(kappa, u0, h, DT, STEPS, s)[4::5] - reference).abs().max().item()
+                         for s in ("cn", "cn-start"))
+            gaps[name] = cn / start
+    assert gaps["jump"] > 3
+    assert gaps["smooth"] < 1.5
+
+
 def test_factor_once_gives_the_same_snapshots_and_gradient():
     h, x, faces = grid(63)
     theta = (0.3 * torch.randn(64, dtype=DTYPE, generator=torch.Generator().manual_seed(2))
@@ -122,9 +139,9 @@ def test_gradcheck_of_a_tiny_simulation():
         lambda t: simulate(torch.nn.functional.softplus(t), u0, h, 0.01, 3), (theta,))
 
 
-@pytest.mark.parametrize("kappa, dominant, amplifies", [(1.0, True, False), (-0.01, True, True),
-                                                        (-0.1, False, True)])
-def test_crank_nicolson_step_needs_a_positive_kappa(kappa, dominant, amplifies):
+@pytest.mark.parametrize("kappa, dominant, amplifies, nearly_singular",
+                         [(1.0, True, False, False), (-0.01, True, True, False), (-0.1, False, True, True)])
+def test_crank_nicolson_step_needs_a_positive_kappa(kappa, dominant, amplifies, nearly_singular):
     h, _, _ = grid(63)
     off, diag = bands(torch.full((64,), kappa, dtype=DTYPE), h)
     L = tt.to_dense(off, diag, off)
@@ -134,6 +151,12 @@ def test_crank_nicolson_step_needs_a_positive_kappa(kappa, dominant, amplifies):
     growth = torch.linalg.eigvals(torch.linalg.solve(A, B)).abs().max().item()
     assert (margin > 0) == dominant
     assert (growth > 1) == amplifies
+    eigenvalues = torch.linalg.eigvalsh(A)
+    a = eigenvalues[eigenvalues.abs().argmin()].item()  # A's eigenvalue nearest zero
+    assert (abs(a) < 0.05) == nearly_singular
+    assert (eigenvalues.min() > 1) == (kappa > 0)  # a positive kappa: every eigenvalue of A above 1
+    if nearly_singular:  # the growth comes from that eigenvalue: B = 2I - A, so |2 - a| / |a|
+        assert growth > 10 and abs(growth - abs(2 - a) / abs(a)) < 1e-6 * growth
 
 
 @pytest.mark.parametrize("driver", [None, "lapack"])
@@ -154,11 +177,46 @@ def test_each_solve_has_one_backward_run_that_solves_with_the_transpose(driver):
     assert runs == {"forward": STEPS + 1, "backward": STEPS + 1}
 
     gen = torch.Generator().manual_seed(2)
-    lower, upper = (-torch.rand(n - 1, dtype=DTYPE, generator=gen) for _ in range(2))
-    main = 3 + torch.rand(n, dtype=DTYPE, generator=gen)
-    rhs = torch.randn(n, 6, dtype=DTYPE, generator=gen).requires_grad_()
-    g = torch.randn(n, 6, dtype=DTYPE, generator=gen)
-    grad, = torch.autograd.grad(tt.tridiagonal_solve(lower, main, upper, rhs, driver=driver), rhs, g)
+    for bands_need_grad in (False, True):  # the backward for the rhs alone, and the fused one
+        lower, upper = (-torch.rand(n - 1, dtype=DTYPE, generator=gen).requires_grad_(bands_need_grad)
+                        for _ in range(2))
+        main = (3 + torch.rand(n, dtype=DTYPE, generator=gen)).requires_grad_(bands_need_grad)
+        rhs = torch.randn(n, 6, dtype=DTYPE, generator=gen).requires_grad_()
+        g = torch.randn(n, 6, dtype=DTYPE, generator=gen)
+        inputs = (lower, main, upper, rhs) if bands_need_grad else (rhs,)
+        *_, grad = torch.autograd.grad(tt.tridiagonal_solve(lower, main, upper, rhs, driver=driver), inputs, g)
+        check_transpose_solve(lower.detach(), main.detach(), upper.detach(), g, grad)
+
+
+def check_transpose_solve(lower, main, upper, g, grad):
     dense = torch.linalg.solve(tt.to_dense(lower, main, upper).mT, g)     # independent: A^T v = g
     assert (grad - dense).abs().max() < 1e-13
     assert (grad - torch.linalg.solve(tt.to_dense(lower, main, upper), g)).abs().max() > 1e-6  # A is not symmetric
+
+
+def test_compiled_graphs_hold_every_solve_forward_and_backward():
+    """AOTAutograd's forward and backward graphs (what Inductor compiles) call the op's kernel once
+    per solve each: the compiled step makes the solves of the eager one."""
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
+
+    h, x, faces = grid(15)
+    steps, counts = 3, {}
+
+    def counting(graph):
+        def compiler(gm, example_inputs):
+            counts[graph] = sum(1 for node in gm.graph.nodes if node.op == "call_function"
+                                and getattr(node.target, "namespace", None) == "tridiag_tutorial")
+            return make_boxed_func(gm.forward)
+        return compiler
+
+    def loss(theta):
+        return simulate(torch.nn.functional.softplus(theta), initial(x), h, DT, steps).square().sum()
+
+    theta = torch.zeros(16, dtype=DTYPE, requires_grad=True)
+    backend = aot_autograd(fw_compiler=counting("forward"), bw_compiler=counting("backward"))
+    try:
+        torch.compile(loss, backend=backend, fullgraph=True)(theta).backward()
+    finally:
+        torch.compiler.reset()
+    assert counts == {"forward": steps + 1, "backward": steps + 1}
