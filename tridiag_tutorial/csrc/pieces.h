@@ -150,8 +150,9 @@ struct PieceTile {
   // A_q is diagonally dominant: computed to the end of its piece, it passes through subnormal
   // numbers, which some CPUs (the Intel Xeon measured) handle with a slow microcode path on every
   // operation that reads or writes one. Cut, it stops: the entries below it stay zero. What is
-  // cut is subnormal while eliminating (those values still carry their row's scale), where
-  // gradual underflow would keep a few bits of it at most, or, once solved, a value of the spike
+  // cut is subnormal while eliminating (those values still carry their row's scale, so in rows
+  // scaled close to the smallest normal number the cut can drop a term that matters; the tests
+  // scale rows down to 1e-100 in double, 1e-30 in float), or, once solved, a value of the spike
   // itself below min / eps (kSpikeFloor), whose term in x (v x[s-1], w x[s+m]) lies far below
   // rounding. NaN and infinities are kept (the checks see them).
   static TT_INLINE V cut_spike(V x, V floor) {

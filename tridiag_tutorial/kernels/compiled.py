@@ -70,7 +70,8 @@ PIECES_SPIKES = "cut below the smallest normal number"
 # kernel that loaded the whole last tile one value at a time spent four times as long loading it;
 # a system of one tile (up to 8,192 unknowns in float32, fewer than 4,096 in float64) paid that
 # on every row. The benchmark suite records it with each run.
-PIECES_LAST_TILE = "transposed like the others, but its last rows"
+PIECES_LAST_TILE = ("transposed like the others, except the rows that reach the system's end, read "
+                    "one value at a time")
 
 #: Set to ``1`` before the package is imported to run as if the C++ kernel had not been built
 #: (every CPU solve on LAPACK): how the tests and the book check the package without it.
