@@ -9,9 +9,9 @@ Run::
 With ``--min-time 0.1 --repeats 4``, the settings of the results the book renders, the main
 rows and the comparison with JAX took about 17 minutes on a 2-core machine (10 and 7; the
 time-stepping experiment comes on top); the defaults (``--min-time 0.2 --repeats 7``) give each case 3.5 times
-that timing budget. The book's comparison with JAX (``--jax-only --min-time 0.1 --repeats 7``,
-compiled rows included) took 12 minutes, the routes (``--routes-only --min-time 0.1
---repeats 10``) 2.5 minutes.
+that timing budget. Each experiment's settings are recorded beside its rows (``*_config`` in the
+JSON): the book's comparisons with JAX, for one, ran ``--jax-only --min-time 0.03`` with 7
+repeats (AMD EPYC) and 15 (Intel Xeon).
 
 Method: every figure is a median measured with PyTorch's own ``torch.utils.benchmark``:
 ``Timer.blocked_autorange`` runs the call in blocks (as many calls per block as make the timer's
@@ -2310,7 +2310,7 @@ Without an --...-only switch it runs the main suite (every implementation, forwa
 forward + backward, one system of n = 1e2 to 1e6 and three batches, float32 and float64, on
 one thread and on torch's default thread count), then the time-stepping experiment, then the
 interleaved comparison with JAX. With --min-time 0.1 --repeats 4 (the settings of the book's
-figures) the main suite and the comparison with JAX took about 17 minutes on a 2-core
+main rows) the main suite and the comparison with JAX took about 17 minutes on a 2-core
 machine; the defaults time each case 3.5 times as long. Each figure is a median time per
 call measured with torch.utils.benchmark (in the interleaved experiments, of blocks timed in
 alternation with what they are compared with).
