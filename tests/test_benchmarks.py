@@ -6,6 +6,7 @@ import io
 import json
 import os
 import signal
+import statistics
 import subprocess
 import sys
 import time
@@ -52,7 +53,7 @@ def test_help_lists_every_experiment_switch(capsys):
     assert exit_.value.code == 0
     text = capsys.readouterr().out
     for switch in ONLY_SWITCHES + ["--quick", "--merge", "--no-compile", "--no-jax", "--no-cpp",
-                                   "--families", "--busy"]:
+                                   "--families", "--busy", "--dtypes"]:
         assert switch in text
 
 
@@ -494,6 +495,32 @@ def test_unknown_family_is_refused():
                                                     busy=(False, True))
 
 
+def test_dtypes_option_reaches_the_comparison_with_jax():
+    with pytest.raises(SystemExit):
+        benchmarks._parser().parse_args(["--dtypes", "float16"])
+    with pytest.raises(SystemExit):
+        benchmarks._parser().parse_args(["--dtypes", ","])
+    opts = benchmarks._parser().parse_args(["--jax-only", "--dtypes", "float64"])
+    assert benchmarks._against_jax_options(opts)["extra"]["dtypes"] == (torch.float64,)
+    both = benchmarks._parser().parse_args(["--dtypes", "float64,float32,float64"])
+    assert both.dtypes == (torch.float64, torch.float32)
+    default = benchmarks._parser().parse_args(["--jax-only", "--no-compile"])
+    assert "dtypes" not in benchmarks._against_jax_options(default)["extra"]
+
+
+@pytest.mark.skipif(not has_jax(), reason="jax is not installed (it is optional)")
+def test_quick_jax_experiment_with_one_dtype(tmp_path):
+    old = tmp_path / "old.json"
+    old.write_text(json.dumps({"results": [{"kept": True}]}))
+    out = tmp_path / "new.json"
+    benchmarks.main(["--jax-only", "--quick", "--no-compile", "--dtypes", "float64",
+                     "--families", "dominant", "--merge", str(old), "--out", str(out)])
+    saved = json.loads(out.read_text())
+    assert saved["results"] == [{"kept": True}]
+    assert {r["dtype"] for r in saved["against_jax"]} == {"float64"}
+    assert "float64" in saved["against_jax_config"]["dtypes"]
+
+
 def cpu_seconds(pid: int) -> float:
     """User + system CPU time of process ``pid`` (``/proc/<pid>/stat``)."""
     with open(f"/proc/{pid}/stat") as f:
@@ -719,6 +746,11 @@ def test_quick_routes_experiment(tmp_path):
             benchmarks.ROUTE_AS_INSTALLED, r["n"], r["batch"], r["mode"]))
         assert r["seconds"] > 0 and r["dtype"] == "float64" and r["threads"] == 1
         assert r["ratio"] == r["seconds"] / base["seconds"]
+        # each round's time, as many as the rounds, in the same rounds as the base's; the median
+        # of the rounds is the row's median, within its quartiles
+        assert len(r["rounds"]) == len(base["rounds"]) == int(saved["routes_config"]["repeats"])
+        assert r["seconds"] == statistics.median(r["rounds"])
+        assert r["quartiles"][0] <= r["seconds"] <= r["quartiles"][1]
 
 
 @pytest.fixture

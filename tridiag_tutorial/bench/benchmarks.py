@@ -174,7 +174,7 @@ def _calls_per_block(timer: benchmark.Timer, min_time: float) -> int:
 
 
 def _time_interleaved(fns: dict, min_time: float, repeats: int, contexts: dict | None = None,
-                      spread: dict | None = None) -> dict:
+                      spread: dict | None = None, samples: dict | None = None) -> dict:
     """Median seconds per call of each of ``fns``, timed in alternation (A B, B A, A B, ...), one
     block of each after the other, so that a change in the machine's load affects all alike.
     Each block is a ``Timer.timeit`` of the number of calls that lasts ``min_time``, after one
@@ -183,7 +183,8 @@ def _time_interleaved(fns: dict, min_time: float, repeats: int, contexts: dict |
     1.44 times as long as when timed alone), which a loop that calls one function never sees.
     ``contexts`` maps some keys to a context manager factory that is entered around every call
     of that function (its warm-up, calibration and each block) and left before the next.
-    ``spread``, where given, receives each key's [25th, 75th] percentile of its blocks' times."""
+    ``spread``, where given, receives each key's [25th, 75th] percentile of its blocks' times;
+    ``samples`` each key's block times, one a round, in the order of the rounds."""
     contexts = contexts or {}
 
     def within(key):
@@ -207,6 +208,8 @@ def _time_interleaved(fns: dict, min_time: float, repeats: int, contexts: dict |
     if spread is not None:
         spread.update({key: [float(q) for q in np.percentile(t, [25, 75])]
                        for key, t in times.items()})
+    if samples is not None:
+        samples.update({key: [float(x) for x in t] for key, t in times.items()})
     return {key: statistics.median(t) for key, t in times.items()}
 
 
@@ -1771,7 +1774,9 @@ def run_routes(cases=ROUTE_CASES, threads=(1,), modes=("forward", "backward"), m
     chapter 4's ``autograd.Function``; ``driver='lapack'`` and, where built, ``driver='cpp'``. ``backward`` is forward + the gradients of all four inputs;
     ``forward`` a call without gradients. Returns rows with ``route``, ``mode``, ``n``, ``batch``,
     ``dtype``, ``threads``, ``seconds``, ``ratio`` = seconds / the op's as installed (above 1:
-    the route that the row removes pays) and ``tells``."""
+    the route that the row removes pays), ``tells``, ``quartiles`` (of the blocks' times) and
+    ``rounds`` (each round's block time, in the order of the rounds: the routes of a case were
+    timed in the same rounds, so a ratio can be taken round by round)."""
     routes = {**ROUTES, **(CPP_ROUTES if _cpp_or_log(log) else {})}
     recorder = recorder or _NO_RECORDER
     recorder.begin([dict(threads=count, n=n, batch=batch, mode=mode)
@@ -1788,13 +1793,16 @@ def run_routes(cases=ROUTE_CASES, threads=(1,), modes=("forward", "backward"), m
                        for route, (fn, _, _) in routes.items()}
                 contexts = {route: context for route, (_, context, _) in routes.items()
                             if context is not None}
-                medians = _time_interleaved(fns, min_time, repeats, contexts)
+                spread, samples = {}, {}
+                medians = _time_interleaved(fns, min_time, repeats, contexts, spread=spread,
+                                            samples=samples)
                 case = []
                 for route, seconds in medians.items():
                     case.append(dict(route=route, mode=mode, n=n, batch=batch, dtype="float64",
                                      threads=actual, seconds=seconds,
                                      ratio=seconds / medians[ROUTE_AS_INSTALLED],
-                                     tells=routes[route][2]))
+                                     tells=routes[route][2], quartiles=spread[route],
+                                     rounds=samples[route]))
                 log(f"  routes  threads={actual} n={n:>5d} batch={batch:>5d} {mode:8s} "
                     f"as installed {medians[ROUTE_AS_INSTALLED] * 1e6:9.1f} us; / it: "
                     + "  ".join(f"{route} {medians[route] / medians[ROUTE_AS_INSTALLED]:.2f}"
@@ -2416,6 +2424,9 @@ def _parser() -> argparse.ArgumentParser:
                         help="comma-separated matrix families of the one-system experiment and of "
                              "the single systems of the comparison with JAX (default: all, "
                              f"{', '.join(FAMILIES)}; --quick: {','.join(QUICK_FAMILIES)})")
+    parser.add_argument("--dtypes", type=_dtypes_option, metavar="D1,D2",
+                        help="comma-separated dtypes of the comparison with JAX (float32, "
+                             "float64; default: both)")
     parser.add_argument("--busy", choices=tuple(BUSY_CHOICES),
                         help="the conditions of the one-system experiment and of the comparison "
                              "with JAX: quiet, busy (another process spinning on one core while "
@@ -2444,6 +2455,18 @@ def _families_option(text: str) -> tuple:
     if not families:
         raise argparse.ArgumentTypeError("no family named")
     return families
+
+
+def _dtypes_option(text: str) -> tuple:
+    """``--dtypes``'s value as a tuple of torch dtypes (float32 and float64 only)."""
+    names = tuple(d.strip() for d in text.split(",") if d.strip())
+    known = {"float32": torch.float32, "float64": torch.float64}
+    unknown = [d for d in names if d not in known]
+    if unknown or not names:
+        raise argparse.ArgumentTypeError(
+            f"unknown dtype {unknown[0]!r}; use float32 and/or float64" if unknown
+            else "no dtype named")
+    return tuple(known[d] for d in dict.fromkeys(names))
 
 
 def _family_options(opts) -> dict:
@@ -2489,10 +2512,13 @@ def _main_experiment(opts, report, key, run_experiment, quick_cases, quick_extra
 def _against_jax_options(opts) -> dict:
     """``_main_experiment``'s extra arguments of :func:`run_against_jax`: with ``--quick`` the
     compiled rows at n = 100 only; none with ``--no-compile``; the families and conditions
-    (:func:`_family_options`)."""
+    (:func:`_family_options`); the dtypes of ``--dtypes``, where given."""
+    extra = _family_options(opts)
+    if opts.dtypes:
+        extra["dtypes"] = opts.dtypes
     if opts.no_compile:
-        return dict(extra=dict(compiled_cases=(), **_family_options(opts)))
-    return dict(quick_extra=dict(compiled_cases=[(100, 0)]), extra=_family_options(opts))
+        return dict(extra=dict(compiled_cases=(), **extra))
+    return dict(quick_extra=dict(compiled_cases=[(100, 0)]), extra=extra)
 
 
 def _measure(opts, report) -> list:

@@ -33,7 +33,8 @@ kernel, with its check alone (``variant`` "check only") and with refinement ("re
 
 Chapter 13 reads ``routes``: the suite's run of the op's shortcuts (``benchmarks.run_routes``, the
 variants timed in alternation), one thread, float64: for each route, mode and case, the median
-seconds per call.
+seconds per call and each round's (``rounds``: the routes of a case share their rounds, so a ratio
+can be taken round by round).
 """
 
 from __future__ import annotations
@@ -69,7 +70,7 @@ ACCURACY_COLUMNS = ("family", "dtype", "n", "systems", "compared", "fallbacks", 
 
 
 # chapter 13's route rows: the median seconds of the op as installed and of each variant
-ROUTES_COLUMNS = ("route", "mode", "n", "batch", "seconds")
+ROUTES_COLUMNS = ("route", "mode", "n", "batch", "seconds", "rounds")
 # chapter 16's accuracy rows (the partitioned torch kernel): the accuracy benchmark's two variants
 PARTITIONED_COLUMNS = ("variant",) + ACCURACY_COLUMNS
 _VARIANTS = {"before": "check only", "after": "refine + check"}
@@ -80,8 +81,18 @@ def _figures(values):
     return None if values is None else [float(f"{v:.4g}") for v in values]
 
 
+def _route_value(row: dict, column: str):
+    """A route row's value in the file: seconds to four figures, and so each round's seconds
+    (``None`` for a run that kept medians only)."""
+    if column == "seconds":
+        return float(f"{row['seconds']:.4g}")
+    if column == "rounds":
+        return _figures(row.get("rounds"))
+    return row[column]
+
+
 def _routes(report: dict) -> dict:
-    rows = [[r[c] if c != "seconds" else float(f"{r['seconds']:.4g}") for c in ROUTES_COLUMNS]
+    rows = [[_route_value(r, c) for c in ROUTES_COLUMNS]
             for r in report["routes"] if r["threads"] == 1 and r.get("seconds") is not None]
     return {"machine": report["routes_machine"], "config": report["routes_config"],
             "columns": list(ROUTES_COLUMNS), "rows": rows}
