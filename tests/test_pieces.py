@@ -451,6 +451,46 @@ def test_float32_rows_scaled_past_its_range_raise_where_lapack_does(n):
     assert_raises_lapack_pivot(args, info, f"n={n}")
 
 
+# the exponents of rows (or columns) scaled close to the smallest normal number, and of one
+# inside the range the pieces keep; each with its expected fallbacks
+NEAR_MIN = {torch.float64: [((-307, -300), 1), ((-300, -293), 1), ((-290, -280), 0)],
+            torch.float32: [((-37, -35), 1), ((-33, -31), 1), ((-29, -25), 0)]}
+
+
+@pytest.mark.parametrize("scaled", ["rows", "columns"])
+@pytest.mark.parametrize("dtype", REAL_DTYPES, ids=str)
+def test_scaled_near_the_smallest_normal_number(dtype, scaled):
+    """Rows (with their right-hand sides), or columns, scaled by 10^U(lo, hi) close to the
+    smallest normal number: the cut of the spikes' subnormal entries would drop terms that matter
+    (forward errors thousands to millions of times ?gtsv's before a piece with a pivot below
+    min / eps was handed back). Handed back, ?gtsv's bits; a little higher, kept, within 10 times
+    ?gtsv's error."""
+    n = 4099
+    for (lo, hi), fallbacks in NEAR_MIN[dtype]:
+        g = np.random.default_rng(abs(lo))
+        lower, diag, upper, _ = accuracy.make("random", n, np.float64, abs(lo))
+        scale = 10.0 ** g.uniform(lo, hi, n)
+        truth = g.standard_normal((n, 2))
+        if scaled == "rows":
+            bands = (lower * scale[1:], diag * scale, upper * scale[:-1])
+        else:  # A D: x = D^-1 truth solves A D x = A truth
+            bands = (lower * scale[:-1], diag * scale, upper * scale[1:])
+            truth = truth / scale[:, None]
+        rhs = bands[1][:, None] * truth
+        rhs[1:] += bands[0][:, None] * truth[:-1]
+        rhs[:-1] += bands[2][:, None] * truth[1:]
+        args = [torch.from_numpy(np.ascontiguousarray(t, dtype=NUMPY[dtype])) for t in (*bands, rhs)]
+        what = f"{scaled} scaled by 10^U({lo}, {hi}), {dtype}"
+        expected, info = gtsv(*args)
+        assert info == 0, what
+        x, counted = compiled.solve_ex(*args)
+        assert counted == fallbacks, what
+        if fallbacks:
+            assert_every_entry_gives(args, expected, fallbacks=1)
+        else:
+            assert_within_ten_times_lapack(args, x, what)
+
+
 # ----------------------------------------------------------------------------------------------
 # 4. NaN and infinity: handed back, ?gtsv's bits.
 # ----------------------------------------------------------------------------------------------

@@ -50,7 +50,9 @@
 // It does not make ?gtsv's pivot decisions across the pieces' boundaries, so its rounding
 // differs from ?gtsv's. Where it cannot vouch for its answer it returns -1, and the caller
 // solves the system with real_kernel_one (?gtsv's operations, its INFO, its NaNs):
-// - a zero pivot in a piece (A singular, or a piece singular where A is not);
+// - a zero pivot in a piece (A singular, or a piece singular where A is not), or one below
+//   min / eps (a row or column scaled so close to the smallest normal number that the cut of the
+//   spikes' subnormal entries could drop a term that matters);
 // - a zero pivot in the reduced system, or one below kTinyPivot eps times its row's largest
 //   entry (a singular A whose zero pivot the reduced system meets as rounding);
 // - a value that is not finite;
@@ -150,9 +152,9 @@ struct PieceTile {
   // A_q is diagonally dominant: computed to the end of its piece, it passes through subnormal
   // numbers, which some CPUs (the Intel Xeon measured) handle with a slow microcode path on every
   // operation that reads or writes one. Cut, it stops: the entries below it stay zero. What is
-  // cut is subnormal while eliminating (those values still carry their row's scale, so in rows
-  // scaled close to the smallest normal number the cut can drop a term that matters; the tests
-  // scale rows down to 1e-100 in double, 1e-30 in float), or, once solved, a value of the spike
+  // cut is subnormal while eliminating (those values still carry their row's scale: a piece with
+  // a pivot below min / eps, a row or column scaled close to the smallest normal number, where
+  // the cut could drop a term that matters, is handed back), or, once solved, a value of the spike
   // itself below min / eps (kSpikeFloor), whose term in x (v x[s-1], w x[s+m]) lies far below
   // rounding. NaN and infinities are kept (the checks see them).
   static TT_INLINE V cut_spike(V x, V floor) {
@@ -299,6 +301,9 @@ struct PieceTile {
     const V one = zero + R(1);
     const V tiny = zero + R(kTinyPivot) * std::numeric_limits<R>::epsilon();
     const V floor = zero + std::numeric_limits<R>::min();  // the subnormal spike entries
+    // A pivot below min / eps: its row or column is scaled so close to the smallest normal number
+    // that cut_spike could drop a term that matters; the sequential kernel decides.
+    const V lowest = zero + kSpikeFloor<R>;
     V bad = zero;
     for (int64_t i = 0; i + 1 < m; ++i) {
       ahead.next();
@@ -319,7 +324,8 @@ struct PieceTile {
         // A pivot that is zero or not finite, or a next one that cancelled to a few ulps of its
         // terms: where ?gtsv, pivoting across the pieces' ends, meets an exact zero (a singular
         // A), the pieces can meet rounding instead; the sequential kernel decides.
-        bad = (p == zero) | ((p - p) != zero) | ((next != zero) & (vabs(next) <= tiny * (vabs(keep) + vabs(take))))
+        bad = (p == zero) | ((p - p) != zero) | (vabs(p) < lowest) |
+                      ((next != zero) & (vabs(next) <= tiny * (vabs(keep) + vabs(take))))
                   ? one
                   : bad;
         R* b0 = s.b + i * K * W + o * VL;
@@ -348,7 +354,7 @@ struct PieceTile {
       const int64_t e = (m - 1) * W + o * VL;
       const V p = ld<V>(s.d + e);
       st(s.pv + e, p);
-      bad = (p == zero) | ((p - p) != zero) ? one : bad;
+      bad = (p == zero) | ((p - p) != zero) | (vabs(p) < lowest) ? one : bad;
     }
     bool any = false;
     for (int w = 0; w < VL; ++w) any = any || bad[w] != R(0);
