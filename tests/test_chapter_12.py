@@ -77,8 +77,9 @@ def test_as_installed_the_op_is_close_to_jax_then_about_four_tenths():
 
 
 def fit(impl, mode):
+    """Section 12.4's fit, of the Intel run (the run the chapter leads with)."""
     ns = np.array(SIZES, dtype=float)
-    ts = np.array([t(impl, n, mode=mode) for n in SIZES])
+    ts = np.array([ti(impl, n, mode=mode) for n in SIZES])
     b, a = np.polyfit(ns, ts, 1, w=1 / ts)
     return a, b
 
@@ -86,31 +87,29 @@ def fit(impl, mode):
 @pytest.mark.parametrize("mode", ["forward", "backward"])
 def test_same_cost_per_unknown_fixed_costs_several_times_apart(mode):
     (a_op, b_op), (a_jax, b_jax) = fit("lapack", mode), fit("jax", mode)
-    assert abs(b_op / b_jax - 1) < 0.1  # "within a tenth"
+    assert abs(b_op / b_jax - 1) < 0.11  # "within 11%"
     assert a_op / a_jax > 3  # "several times over"
 
 
 def test_compiling_costs_at_small_n_and_a_few_percent_on_a_batch():
+    """Section 12.5, the Intel run: over four times forward and about three times forward +
+    backward at n = 100; 3 to 13% longer on the batch, where the differences (180 to 1,060 µs) lie
+    within the rows' IQRs (300 to 1,300 µs)."""
     for threads in (1, 2):
-        forward = t("compiled", 100, threads=threads) / t("op", 100, threads=threads)
-        both = (t("compiled", 100, mode="backward", threads=threads)
-                / t("op", 100, mode="backward", threads=threads))
+        forward = ti("compiled", 100, threads=threads) / ti("op", 100, threads=threads)
+        both = (ti("compiled", 100, mode="backward", threads=threads)
+                / ti("op", 100, mode="backward", threads=threads))
         assert forward > 4 and 2.5 < both < 3.5
-        for mode in ("forward", "backward"):
-            q = t("compiled", 256, 1024, mode, threads) / t("op", 256, 1024, mode, threads)
-            assert 1.05 < q < 1.17  # "6 to 16% longer"
-    extra = {(batch, mode, threads): t("compiled", n, batch, mode, threads) - t("op", n, batch, mode, threads)
-             for batch, n in ((0, 100), (1024, 256)) for mode in ("forward", "backward")
-             for threads in (1, 2)}
-    # "from about 40 µs forward and 150 µs forward + backward at n = 100 to 110 to 130 µs and 330 to
-    # 370 µs on the batch"
-    assert all(35e-6 < extra[0, "forward", k] < 45e-6 for k in (1, 2))
-    assert all(145e-6 < extra[0, "backward", k] < 160e-6 for k in (1, 2))
-    assert all(105e-6 < extra[1024, "forward", k] < 130e-6 for k in (1, 2))
-    assert all(325e-6 < extra[1024, "backward", k] < 380e-6 for k in (1, 2))
-    # the table's forward ratios on the batch: 6% longer on one thread, 14% on two
-    assert [round(100 * (t("compiled", 256, 1024, threads=k) / t("op", 256, 1024, threads=k) - 1))
-            for k in (1, 2)] == [6, 14]
+    batch = [ti("compiled", 256, 1024, mode, k) / ti("op", 256, 1024, mode, k)
+             for mode in ("forward", "backward") for k in (1, 2)]
+    assert [round(100 * (q - 1)) for q in (min(batch), max(batch))] == [3, 13]
+    extra = [ti("compiled", 256, 1024, mode, k) - ti("op", 256, 1024, mode, k)
+             for mode in ("forward", "backward") for k in (1, 2)]
+    assert (round(min(extra) * 1e5), round(max(extra) * 1e5)) == (18, 106)  # 10 µs units
+    iqrs = [np.subtract(*ti(impl, 256, 1024, mode, k, field="quartiles")[::-1])
+            for impl in ("op", "compiled") for mode in ("forward", "backward") for k in (1, 2)]
+    assert (round(min(iqrs) * 1e4), round(max(iqrs) * 1e4)) == (3, 13)  # 100 µs units
+    assert all(e < max(iqrs) for e in extra)
 
 
 @pytest.mark.slow
@@ -167,18 +166,18 @@ def test_on_lapack_two_threads_stay_within_003_of_one():
         assert abs(t("lapack", n, batch, threads=1) / t("lapack", n, batch, threads=2) - 1) < 0.03
 
 
-def test_a_busy_core_moved_only_jaxs_two_threads_on_the_intel():
-    """Section 12.6's busy / quiet table, every size on both runs: only JAX's two-thread solves on
-    the Intel moved far (0.53 at n = 1000, 0.74 at 1e4, 1.41 at 1e6); the rest lie between 0.89
-    and 1.14."""
+def test_a_busy_core_on_both_machines():
+    """Section 12.6's busy / quiet table, every size: 0.89 to 1.14 on the AMD; on the Intel 0.88 to
+    1.01 on one thread, 0.72 to 1.39 (in both directions) on two."""
     busy = {(run, impl, n, k): f(impl, n, threads=k, busy=True) / f(impl, n, threads=k)
             for run, f in (("AMD", t), ("Intel", ti)) for impl in ("op", "lapack", "jax")
             for n in SIZES for k in (1, 2)}
-    far = {key: round(q, 2) for key, q in busy.items() if abs(q - 1) > 0.15}
-    assert far == {("Intel", "jax", 1000, 2): 0.53, ("Intel", "jax", 10**4, 2): 0.74,
-                   ("Intel", "jax", 10**6, 2): 1.41}
-    rest = [q for key, q in busy.items() if key not in far]
-    assert (round(min(rest), 2), round(max(rest), 2)) == (0.89, 1.14)
+    for run, expected in (("AMD", (0.89, 1.14)), ("Intel", (0.72, 1.39))):
+        qs = [q for key, q in busy.items() if key[0] == run]
+        assert (round(min(qs), 2), round(max(qs), 2)) == expected
+    for k, expected in ((1, (0.88, 1.01)), (2, (0.72, 1.39))):
+        qs = [q for key, q in busy.items() if key[0] == "Intel" and key[3] == k]
+        assert (round(min(qs), 2), round(max(qs), 2)) == expected
 
 
 def test_the_reference_has_no_busy_rows_for_a_batch():
@@ -289,48 +288,54 @@ def test_the_intel_run_is_the_same_suite_on_another_cpu():
 
 
 def test_section_12_3_on_both_machines():
-    # lapack / JAX at n = 100: 4.1 to 4.3 (AMD), 3.7 to 3.8 (Intel); the Intel IQRs a few percent
+    # lapack / JAX at n = 100: over four times on both; the nine matrices spread by up to a sixth
+    # at n = 100 and 1,000 on the Intel, a twentieth on the AMD, a few hundredths beyond
     amd = [over_jax("lapack", 100, f) for f in FAMILIES]
-    intel = [over_jax_intel("lapack", 100, f) for f in FAMILIES]
-    assert (round(min(amd), 1), round(max(amd), 1)) == (4.1, 4.3)
-    assert (round(min(intel), 1), round(max(intel), 1)) == (3.7, 3.8)
-    assert all(0.97 < over_jax_intel("lapack", n, f) < 1.07 for n in SIZES[3:] for f in FAMILIES)
-    iqr = [(ti(i, n, field="quartiles")[1] - ti(i, n, field="quartiles")[0]) / ti(i, n)
-           for i in ("op", "jax") for n in SIZES]
-    assert max(iqr) < 0.05
-    # as installed: close to JAX at n = 100 on both; from 1e4, about 0.4 (AMD), 0.82 to 0.96 (Intel)
-    assert 0.9 < over_jax_intel("op", 100) < 1.2
-    assert (round(min(over_jax_intel("op", n) for n in SIZES[2:]), 2),
-            round(max(over_jax_intel("op", n) for n in SIZES[2:]), 2)) == (0.82, 0.96)
+    for n in (100, 1000):
+        intel = [over_jax_intel("lapack", n, f) for f in FAMILIES]
+        assert min(intel) > 2 and 0.1 < (max(intel) - min(intel)) / min(intel) < 1 / 6
+    assert min(amd) > 4 and min(over_jax_intel("lapack", 100, f) for f in FAMILIES) > 4
+    for n in SIZES[2:]:
+        intel = [over_jax_intel("lapack", n, f) for f in FAMILIES]
+        assert max(intel) - min(intel) < 0.16
+    assert all(0.97 < over_jax_intel("lapack", n, f) < 1.09 for n in SIZES[3:] for f in FAMILIES)
+    # the Intel IQRs 3 to 8%
+    iqr = [max(ti(i, n, field="quartiles")[1] - ti(i, n, field="quartiles")[0] for i in ("op", "jax"))
+           / max(ti("op", n), ti("jax", n)) for n in SIZES]
+    assert 0.025 < min(iqr) and max(iqr) < 0.085
+    # the Intel's times 1.5 to 2 times the AMD's (JAX, one system)
+    assert all(1.45 < ti("jax", n) / t("jax", n) < 2.0 for n in SIZES)
+    # the op close to JAX at n = 100 on both; from 1e4 about two thirds on the Intel, 0.4 on the AMD
+    assert 0.9 < over_jax_intel("op", 100) < 1.2 and 0.9 < over_jax("op", 100) < 1.2
+    assert all(0.6 < over_jax_intel("op", n) < 0.75 for n in SIZES[2:])
+    # forward + backward: 1.9 to 2.8 times JAX's at n = 100 and 1,000, both machines
+    both = [f("op", n, mode="backward") / f("jax", n, mode="backward") for f in (t, ti)
+            for n in (100, 1000)]
+    assert (round(min(both), 1), round(max(both), 1)) == (1.9, 2.8)
 
 
 def test_section_12_6_on_the_intel():
-    r = {(impl, batch, n): ti(impl, n, batch) / ti(impl, n, batch, threads=2)
-         for impl in ("op", "lapack", "jax")
-         for batch, n in [(0, n) for n in SIZES] + [(1024, 256), (16384, 64), (100000, 8)]}
-    assert all(1.95 < q < 2.2 for (impl, batch, _), q in r.items() if impl == "op" and batch)
-    lapack = [q for (impl, *_), q in r.items() if impl == "lapack"]
-    assert (round(min(lapack), 2), round(max(lapack), 2)) == (1.03, 1.12)
-    op_one = [r["op", 0, n] for n in SIZES]
-    assert (round(min(op_one), 2), round(max(op_one), 2)) == (0.98, 1.10)
-    assert round(r["jax", 0, 1000], 2) == 0.32
-    # JAX's second thread added 23 (AMD) and 60 (Intel) µs at n = 1000, to a solve of about 30 µs
-    assert round(1e6 * (t("jax", 1000, threads=2) - t("jax", 1000))) == 23
-    assert round(1e6 * (ti("jax", 1000, threads=2) - ti("jax", 1000))) == 60
-    assert 25e-6 < ti("jax", 1000) < 35e-6 and 25e-6 < t("jax", 1000) < 35e-6
-    # a single-system ratio outside 1 +- 0.15 on both machines: JAX at n = 1000 and 1e4 only
-    for f in (t, ti):
-        outside = {(impl, n) for impl in ("op", "lapack", "jax") for n in SIZES
-                   if abs(f(impl, n) / f(impl, n, threads=2) - 1) > 0.16}  # "about +- 0.15"
-        assert {("jax", 1000), ("jax", 10**4)} <= outside <= {("jax", 1000), ("jax", 10**4), ("jax", 10**6)}
+    """The Intel's single-system ratios at n = 100: 1.4 to 1.5 for all three, none of which splits
+    a system of 100 between threads."""
+    at_100 = [ti(impl, 100) / ti(impl, 100, threads=2) for impl in ("op", "lapack", "jax")]
+    assert (round(min(at_100), 1), round(max(at_100), 1)) == (1.4, 1.5)
+    # JAX's second thread added tens of microseconds at n = 1000 on the AMD, to a solve of about 30 µs
+    assert 20e-6 < t("jax", 1000, threads=2) - t("jax", 1000) < 50e-6
+    assert 25e-6 < t("jax", 1000) < 35e-6
+    # a single-system ratio outside 1 +- 0.15 on the AMD: JAX at n = 1000 and 1e4 only
+    outside = {(impl, n) for impl in ("op", "lapack", "jax") for n in SIZES
+               if abs(t(impl, n) / t(impl, n, threads=2) - 1) > 0.16}  # "about +- 0.15"
+    assert outside == {("jax", 1000), ("jax", 10**4)}
 
 
-def test_section_12_7_on_the_intel():
-    qs = {f: [over_jax_intel("op", n, f) for n in SIZES[2:]] for f in FAMILIES}
-    seven = [q for f in FAMILIES if f not in ("dominant", "poisson") for q in qs[f]]
-    assert len(seven) == 21 and (round(min(seven), 2), round(max(seven), 2)) == (0.49, 0.70)
-    assert (round(min(qs["dominant"]), 2), round(max(qs["dominant"]), 2)) == (0.82, 0.96)
-    assert qs["poisson"][0] < 0.7 and all(0.95 < q < 1.05 for q in qs["poisson"][1:])
+def test_section_12_7_on_both_machines():
+    """From 1e4, eight kinds take 0.54 to 0.77 of JAX's time on the Intel, 0.33 to 0.50 on the AMD;
+    poisson with the others at 1e4, JAX's time from 1e5 on both."""
+    for f, expected in ((ti, (0.54, 0.77)), (t, (0.33, 0.50))):
+        qs = {fam: [f("op", n, family=fam) / f("jax", n, family=fam) for n in SIZES[2:]] for fam in FAMILIES}
+        eight = [q for fam in FAMILIES if fam != "poisson" for q in qs[fam]]
+        assert len(eight) == 24 and (round(min(eight), 2), round(max(eight), 2)) == expected
+        assert qs["poisson"][0] <= max(eight) and all(0.95 < q < 1.05 for q in qs["poisson"][1:])
 
 
 def test_the_amd_run_kept_medians_only():
@@ -340,25 +345,15 @@ def test_the_amd_run_kept_medians_only():
 
 
 def test_from_100_to_1000_the_kernels_loop_grows_least():
-    """Section 12.3: from n = 100 to 1000 the op's time grows by 16 and 14 µs, the op on LAPACK's
-    by 18 and 16, JAX's by 23 and 19 (AMD, Intel)."""
+    """Section 12.3: from n = 100 to 1000 the op's time grows least on both machines (the last
+    line: op +25, lapack +50, JAX +33 µs on the Intel; +16, +18, +23 on the AMD)."""
     growth = {(run, impl): 1e6 * (f(impl, 1000) - f(impl, 100))
               for run, f in (("AMD", t), ("Intel", ti)) for impl in ("op", "lapack", "jax")}
     expected = {("AMD", "op"): 16, ("AMD", "lapack"): 18, ("AMD", "jax"): 23,
-                ("Intel", "op"): 14, ("Intel", "lapack"): 16, ("Intel", "jax"): 19}
+                ("Intel", "op"): 25, ("Intel", "lapack"): 50, ("Intel", "jax"): 33}
     assert all(abs(growth[key] - us) < 0.6 for key, us in expected.items())
-    for run in ("AMD", "Intel"):  # op < op on LAPACK < JAX, and most of the gap is JAX's
-        op, lapack, jax = (growth[run, impl] for impl in ("op", "lapack", "jax"))
-        assert op < lapack < jax and jax - lapack > lapack - op
-
-
-def test_section_12_6_intel_offset_and_jax_at_1e6():
-    """Section 12.6: on the Intel the op on LAPACK is above 1 in every row (an offset, not noise);
-    JAX at 10^6 on the Intel, 1.17, lies just beyond the op's ±0.15."""
-    cases = [(0, n) for n in SIZES] + [(1024, 256), (16384, 64), (100000, 8)]
-    assert min(ti("lapack", n, b) / ti("lapack", n, b, threads=2) for b, n in cases) > 1.02
-    q = ti("jax", 10**6) / ti("jax", 10**6, threads=2)
-    assert round(q, 2) == 1.17 and 1.15 < q < 1.2
+    for run in ("AMD", "Intel"):
+        assert growth[run, "op"] < min(growth[run, "lapack"], growth[run, "jax"])
 
 
 def test_the_profile_detaches_four_inputs_forward_and_three_bands_backward():
