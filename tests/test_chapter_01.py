@@ -156,6 +156,54 @@ def test_the_exercises_five_point_stencil_and_complex_step():
     assert central_difference(math.sin, X0, 1e-20) == 0.0
 
 
+def five_point_stencil(f, x, h):
+    return (-f(x + 2 * h) + 8 * f(x + h) - 8 * f(x - h) + f(x - 2 * h)) / (12 * h)
+
+
+def test_the_five_point_error_model_and_its_best_step():
+    h = 1e-2  # truncation-dominated: the error is -h^4/30 f^(5), and f^(5) = cos for sin
+    assert math.isclose(five_point_stencil(math.sin, X0, h) - EXACT, -(h**4) / 30 * math.cos(X0),
+                        rel_tol=1e-2)
+    eps = np.finfo(float).eps  # the model's minimum, found on a fine grid, against the closed form
+    grid = np.logspace(-4, -2, 20001)
+    model = grid**4 / 30 * math.cos(X0) + 18 * eps * math.sin(X0) / (12 * grid)
+    closed = (11.25 * eps * math.sin(X0) / math.cos(X0)) ** 0.2
+    assert math.isclose(grid[np.argmin(model)], closed, rel_tol=1e-3)
+    near = np.random.default_rng(1).uniform(0.5, 1.5, size=100)  # the chapter's 100 points
+    mean = [np.abs(five_point_stencil(np.sin, near, h) - np.cos(near)).mean() for h in STEPS]
+    best = STEPS[int(np.argmin(mean))]
+    assert round(math.log10(best)) == round(math.log10(eps**0.2))
+
+
+def test_the_truncation_and_round_off_terms_at_h_1e_5_are_both_near_1e_11():
+    f = lambda t: torch.sin(t) ** 2 * torch.exp(t)
+    x = torch.tensor(0.7, dtype=torch.float64)
+    f3 = torch.func.grad(torch.func.grad(torch.func.grad(f)))(x).item()
+    s, e = math.sin(0.7), math.exp(0.7)
+    d1 = lambda t: (2 * math.sin(t) * math.cos(t) + math.sin(t) ** 2) * math.exp(t)
+    assert math.isclose(f3, (d1(0.7 + 1e-4) - 2 * d1(0.7) + d1(0.7 - 1e-4)) / 1e-8, rel_tol=1e-5)
+    truncation, round_off = 1e-10 * abs(f3) / 6, np.finfo(float).eps * s * s * e / 1e-5
+    assert 1e-11 < truncation < 3e-11 and 1e-11 < round_off < 3e-11
+
+
+def test_the_graph_reaches_one_accumulate_grad_node_by_two_paths():
+    x = torch.tensor(0.7, dtype=torch.float64, requires_grad=True)
+    y = torch.sin(x) ** 2 * torch.exp(x)
+    via_sin = y.grad_fn.next_functions[0][0].next_functions[0][0].next_functions[0][0]
+    via_exp = y.grad_fn.next_functions[1][0].next_functions[0][0]
+    assert type(via_sin).__name__ == "AccumulateGrad" and via_sin is via_exp
+    assert via_sin.variable is x
+
+
+def test_grad_and_value_matches_backward():
+    f = lambda t: (torch.sin(t) ** 2 * torch.exp(t)).sum()
+    x = torch.linspace(-1.0, 1.0, 5, dtype=torch.float64)
+    g, value = torch.func.grad_and_value(f)(x)
+    leaf = x.clone().requires_grad_()
+    f(leaf).backward()
+    assert (g - leaf.grad).abs().max() < 1e-15 and value.item() == f(x).item()
+
+
 def test_the_setup_context_form_works_with_torch_func():
     x = torch.tensor([1.6, -0.4, 0.7], dtype=torch.float64)
     g = torch.func.grad(lambda t: (3 * NeoReLUFixed.apply(t)).sum())(x)
