@@ -197,3 +197,45 @@ def test_compiled_newton_step_gives_the_eager_solution():
             u = u_next
     torch.compiler.reset()
     assert (u - newton(theta, f, h)).abs().max() < 1e-12
+
+
+class NewtonSolveTwiceGrad(torch.autograd.Function):
+    """Exercise 2's differentiable backward, by torch.autograd.grad on fresh views of the inputs."""
+
+    @staticmethod
+    def forward(ctx, theta, f, h):
+        with torch.no_grad():
+            u = newton(theta, f, h)
+        ctx.save_for_backward(u, theta, f)
+        ctx.h = h
+        return u
+
+    @staticmethod
+    def backward(ctx, g):
+        u, theta, f = ctx.saved_tensors
+        lower, diag, upper = jacobian_bands(u, theta, ctx.h)
+        lam = tridiagonal_solve(upper, diag, lower, g)
+        with torch.enable_grad():
+            theta_at, f_at = theta.view_as(theta), f.view_as(f)
+            wanted = [t for t, need in zip((theta_at, f_at), ctx.needs_input_grad) if need]
+            grads = iter(torch.autograd.grad(residual(u, theta_at, f_at, ctx.h), wanted, -lam,
+                                             create_graph=True))
+        return *(next(grads) if need else None for need in ctx.needs_input_grad[:2]), None
+
+
+def hessian_vector(solve, theta, v):
+    t = theta.clone().requires_grad_()
+    grad_t, = torch.autograd.grad(loss_of(solve(t)), t, create_graph=True)
+    return torch.autograd.grad(grad_t @ v, t)[0]
+
+
+def test_second_derivatives_by_autograd_grad_on_fresh_views():
+    h, x, faces = grid(8)
+    theta = (0.5 * torch.sin(2 * torch.pi * faces)).requires_grad_()
+    f = (40 * torch.exp(-(((x - 0.35) / 0.1) ** 2)) + 20 * x).requires_grad_()
+    assert torch.autograd.gradgradcheck(lambda t, s: NewtonSolveTwiceGrad.apply(t, s, h), (theta, f))
+    h, f, theta = problem()                      # full size, with a source that needs no gradient
+    v = torch.randn(theta.shape, dtype=DTYPE, generator=torch.Generator().manual_seed(2))
+    implicit = hessian_vector(lambda t: NewtonSolveTwiceGrad.apply(t, f, h), theta, v)
+    unrolled = hessian_vector(lambda t: newton(t, f, h, iterations=8), theta, v)
+    assert (implicit - unrolled).abs().max() < 1e-10 * unrolled.abs().max()
