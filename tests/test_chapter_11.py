@@ -4,8 +4,10 @@ The capstone op itself is the reader's exercise and lives in the chapter; these 
 facts its prose builds on, with SciPy's LAPACK and the package: ?ptsv's factors and its error
 code, that its default flags leave the inputs alone while overwrite_b writes into a Fortran-ordered
 b, that ?gttrf pivots on a positive-definite matrix that is not diagonally dominant while ?pttrf
-needs no pivot, that passing one off-diagonal twice to tridiagonal_solve adds its two band
-gradients as the symmetric formula does, and the periodic (Sherman-Morrison) solve of exercise 2."""
+needs no pivot, that ?gtsv keeps only U (the bands ?gttrf computes), that a NaN passes ?pttrf's
+pivot test and spreads through a joined batch, that passing one off-diagonal twice to
+tridiagonal_solve adds its two band gradients as the symmetric formula does, and the periodic
+(Sherman-Morrison) solve of exercise 2."""
 
 import numpy as np
 import pytest
@@ -50,6 +52,29 @@ def test_gttrf_pivots_where_pttrf_needs_none():
     assert (lapack.dgttrf(e, d, e)[4] != np.arange(1, 4)).sum() > 0
     assert lapack.dpttrf(d, e)[2] == 0
 
+
+
+def test_gtsv_returns_only_u_the_bands_gttrf_computes():
+    # section 11.4: ?gtsv eliminates in place; what it returns beside x is U, with no pivot array
+    d, e = np.array([1.0, 5.0, 5.0, 4.0]), np.array([2.0, 1.0, 1.5])
+    du2, u_diag, u_du, x, info = lapack.dgtsv(e, d, e, np.ones((4, 1)))
+    _, f_diag, f_du, f_du2, ipiv, f_info = lapack.dgttrf(e, d, e)
+    assert info == f_info == 0
+    assert (ipiv != np.arange(1, 5)).any()   # an interchange: U has a second band
+    assert np.abs(u_diag - f_diag).max() < 1e-14
+    assert np.abs(u_du - f_du).max() < 1e-14
+    assert np.abs(du2[:2] - f_du2).max() < 1e-14 and np.abs(f_du2).max() > 0
+
+
+def test_a_nan_pivot_passes_pttrf_and_spreads_through_a_joined_batch():
+    # exercise 4's hint: ?pttrf tests D_i <= 0, which NaN passes; the op joins its batch
+    d = np.array([4.0, np.nan, 4.0, 4.0, 4.0, 4.0])
+    e = np.array([1.0, 1.0, 0.0, 1.0, 1.0])   # two systems of n = 3, coupled by an exact zero
+    assert lapack.dpttrf(d, e)[2] == 0
+    _, _, x, info = lapack.dptsv(d, e, np.ones((6, 1)))
+    assert info == 0
+    assert np.isnan(x[3:]).all()             # the second system, after the NaN, is lost too
+    assert np.isfinite(lapack.dptsv(d[3:], e[3:], np.ones((3, 1)))[2]).all()
 
 def test_one_off_diagonal_passed_twice_gets_the_symmetric_gradient():
     gen = torch.Generator().manual_seed(13)
