@@ -239,3 +239,28 @@ def test_the_reduced_system_is_banded_three_unknowns_an_equation():
     assert int(nonzero.sum(1).max()) == 3
     rows, cols = torch.nonzero(nonzero, as_tuple=True)
     assert int((rows - cols).abs().max()) <= 2  # banded
+
+
+def fallback_worker(rank, world_size, system):
+    """The chapter's worker: this rank's rows of split_solve and the fallbacks it counted."""
+    pieces = distributed.split_bands(*system, rank, world_size)
+    with distributed.record() as counted:
+        x = distributed.split_solve(*pieces)
+    return x, counted.fallbacks
+
+
+@pytest.mark.slow
+def test_a_singular_block_makes_every_rank_fall_back_to_lapack():
+    n = 1000
+    system = [t.clone() for t in parallel_demos.random_system(n)]
+    s = n // 2  # rank 1's first row: column s keeps only A[s-1, s]
+    system[1][s], system[0][s], system[2][s - 1] = 0.0, 0.0, 1.5
+    with pytest.raises(torch.linalg.LinAlgError):  # rank 1's block alone is singular
+        tridiagonal_lu_factor(system[0][s:], system[1][s:], system[2][s:], driver="lapack")
+    x_lapack = tridiagonal_solve(*system, driver="lapack")  # A itself is regular
+    ranks = run_on_ranks(fallback_worker, 2, system)
+    assert [fallbacks for _, fallbacks in ranks] == [1, 1]
+    x = torch.cat([x for x, _ in ranks])
+    assert (x - x_lapack).abs().max() <= 1e-14 * x_lapack.abs().max()
+    regular = run_on_ranks(fallback_worker, 2, list(parallel_demos.random_system(n)))
+    assert [fallbacks for _, fallbacks in regular] == [0, 0]
