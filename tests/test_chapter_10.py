@@ -199,16 +199,9 @@ def test_compiled_newton_step_gives_the_eager_solution():
     assert (u - newton(theta, f, h)).abs().max() < 1e-12
 
 
-class NewtonSolveTwiceGrad(torch.autograd.Function):
-    """Exercise 2's differentiable backward, by torch.autograd.grad on fresh views of the inputs."""
-
-    @staticmethod
-    def forward(ctx, theta, f, h):
-        with torch.no_grad():
-            u = newton(theta, f, h)
-        ctx.save_for_backward(u, theta, f)
-        ctx.h = h
-        return u
+class NewtonSolveTwiceGrad(NewtonSolve):
+    """Exercise 2's differentiable backward, by torch.autograd.grad on fresh views of the inputs;
+    NewtonSolve's forward (called with newton's own tolerance, 1e-10)."""
 
     @staticmethod
     def backward(ctx, g):
@@ -220,7 +213,7 @@ class NewtonSolveTwiceGrad(torch.autograd.Function):
             wanted = [t for t, need in zip((theta_at, f_at), ctx.needs_input_grad) if need]
             grads = iter(torch.autograd.grad(residual(u, theta_at, f_at, ctx.h), wanted, -lam,
                                              create_graph=True))
-        return *(next(grads) if need else None for need in ctx.needs_input_grad[:2]), None
+        return *(next(grads) if need else None for need in ctx.needs_input_grad[:2]), None, None
 
 
 def hessian_vector(solve, theta, v):
@@ -233,9 +226,9 @@ def test_second_derivatives_by_autograd_grad_on_fresh_views():
     h, x, faces = grid(8)
     theta = (0.5 * torch.sin(2 * torch.pi * faces)).requires_grad_()
     f = (40 * torch.exp(-(((x - 0.35) / 0.1) ** 2)) + 20 * x).requires_grad_()
-    assert torch.autograd.gradgradcheck(lambda t, s: NewtonSolveTwiceGrad.apply(t, s, h), (theta, f))
+    assert torch.autograd.gradgradcheck(lambda t, s: NewtonSolveTwiceGrad.apply(t, s, h, 1e-10), (theta, f))
     h, f, theta = problem()                      # full size, with a source that needs no gradient
     v = torch.randn(theta.shape, dtype=DTYPE, generator=torch.Generator().manual_seed(2))
-    implicit = hessian_vector(lambda t: NewtonSolveTwiceGrad.apply(t, f, h), theta, v)
+    implicit = hessian_vector(lambda t: NewtonSolveTwiceGrad.apply(t, f, h, 1e-10), theta, v)
     unrolled = hessian_vector(lambda t: newton(t, f, h, iterations=8), theta, v)
     assert (implicit - unrolled).abs().max() < 1e-10 * unrolled.abs().max()
