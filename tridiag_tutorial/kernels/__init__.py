@@ -77,7 +77,7 @@ def choose_driver(device_type: str, dtype: torch.dtype, batch: int, n: int, cpp:
       row, each a kernel launch on a GPU; the partitioned one a number that grows like ``log n``
       (``--torch-kernels-only`` counts both; chapter 16). That part is a judgement from the
       operation counts for few systems, where launches dominate, not a GPU measurement: the
-      partitioned kernel writes about 17 times the sequential kernel's elements, so a large
+      partitioned kernel writes 18 to 20 times the sequential kernel's bytes, so a large
       batch, bound by memory bandwidth on a GPU, should favour the sequential kernel.
     - **MPS** (Apple's GPUs, without float64): the sequential kernel at every size, since the
       partitioned kernel's check computes in float64 (``driver="partitioned"`` is refused there).
