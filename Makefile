@@ -42,9 +42,10 @@ lint: $(STAMP)
 
 # Every test, slow and book ones included. Installs nothing: the browser tests of
 # tests/test_book_html.py use the browser that `make browser-setup` found or installed; without
-# one they are skipped with that advice (in CI, CI=true, they fail).
+# one they are skipped with that advice (in CI, CI=true, they fail). The log ends with the 30
+# slowest tests, to show where the suite's time goes.
 unit: $(STAMP)
-	$(PY) -m pytest tests
+	$(PY) -m pytest tests --durations=30
 
 # The binary wheel as a release ships it (.ci/build_wheel.sh: pip wheel against the pinned torch,
 # then auditwheel repair: a stripped cp311-abi3 manylinux wheel without torch's libraries), built
