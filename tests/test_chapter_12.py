@@ -93,8 +93,8 @@ def test_same_cost_per_unknown_fixed_costs_several_times_apart(mode):
 
 def test_compiling_costs_at_small_n_and_a_few_percent_on_a_batch():
     """Section 12.5, the Intel run: over four times forward and about three times forward +
-    backward at n = 100; 3 to 13% longer on the batch, where the differences (180 to 1,060 µs) lie
-    within the rows' IQRs (300 to 1,300 µs)."""
+    backward at n = 100; 3 to 13% longer on the batch, where each difference (180 to 1,060 µs) is
+    smaller than the larger IQR of its pair, compiled and eager (the table's last columns)."""
     for threads in (1, 2):
         forward = ti("compiled", 100, threads=threads) / ti("op", 100, threads=threads)
         both = (ti("compiled", 100, mode="backward", threads=threads)
@@ -106,10 +106,10 @@ def test_compiling_costs_at_small_n_and_a_few_percent_on_a_batch():
     extra = [ti("compiled", 256, 1024, mode, k) - ti("op", 256, 1024, mode, k)
              for mode in ("forward", "backward") for k in (1, 2)]
     assert (round(min(extra) * 1e5), round(max(extra) * 1e5)) == (18, 106)  # 10 µs units
-    iqrs = [np.subtract(*ti(impl, 256, 1024, mode, k, field="quartiles")[::-1])
-            for impl in ("op", "compiled") for mode in ("forward", "backward") for k in (1, 2)]
-    assert (round(min(iqrs) * 1e4), round(max(iqrs) * 1e4)) == (3, 13)  # 100 µs units
-    assert all(e < max(iqrs) for e in extra)
+    larger_iqr = [max(np.subtract(*ti(impl, 256, 1024, mode, k, field="quartiles")[::-1])
+                      for impl in ("op", "compiled"))
+                  for mode in ("forward", "backward") for k in (1, 2)]
+    assert all(0 < e < q for e, q in zip(extra, larger_iqr))
 
 
 @pytest.mark.slow
@@ -303,8 +303,9 @@ def test_section_12_3_on_both_machines():
     iqr = [max(ti(i, n, field="quartiles")[1] - ti(i, n, field="quartiles")[0] for i in ("op", "jax"))
            / max(ti("op", n), ti("jax", n)) for n in SIZES]
     assert 0.025 < min(iqr) and max(iqr) < 0.085
-    # the Intel's times 1.5 to 2 times the AMD's (JAX, one system)
-    assert all(1.45 < ti("jax", n) / t("jax", n) < 2.0 for n in SIZES)
+    # the nine matrices on the Intel spread by a ninth at 1e4
+    at_1e4 = [over_jax_intel("lapack", 10**4, f) for f in FAMILIES]
+    assert abs((max(at_1e4) - min(at_1e4)) / min(at_1e4) - 1 / 9) < 0.01
     # the op close to JAX at n = 100 on both; from 1e4 about two thirds on the Intel, 0.4 on the AMD
     assert 0.9 < over_jax_intel("op", 100) < 1.2 and 0.9 < over_jax("op", 100) < 1.2
     assert all(0.6 < over_jax_intel("op", n) < 0.75 for n in SIZES[2:])
@@ -312,6 +313,30 @@ def test_section_12_3_on_both_machines():
     both = [f("op", n, mode="backward") / f("jax", n, mode="backward") for f in (t, ti)
             for n in (100, 1000)]
     assert (round(min(both), 1), round(max(both), 1)) == (1.9, 2.8)
+
+
+def test_the_intel_one_thread_process_met_a_slower_machine():
+    """Section 12.3: the Intel's one-thread rows hold a drift that its two-thread rows do not: at
+    n = 100, where no candidate splits the system between threads, all three ran 1.4 to 1.5 times
+    as fast in the two-thread process, while on the AMD the same ratios stay within 0.02 of 1."""
+    for impl in ("op", "lapack", "jax"):
+        assert 1.4 < ti(impl, 100) / ti(impl, 100, threads=2) < 1.5
+        assert abs(t(impl, 100) / t(impl, 100, threads=2) - 1) < 0.02
+
+
+def test_the_poisson_matrix_is_tested_from_8_tiles_on():
+    """Section 12.7: the kernel hands the Poisson matrix back at n = 1e5 (8 tiles or more: the
+    first tile decides) but solves it in pieces at 1e4, where there are fewer tiles."""
+    from tridiag_tutorial.bench import benchmarks
+    from tridiag_tutorial.kernels import compiled
+
+    if not compiled.is_available():
+        pytest.skip("the C++ kernel is not built")
+    handed_back = {}
+    for n in (10**4, 10**5):
+        lower, diag, upper, rhs = benchmarks.one_system_family("poisson", n)
+        handed_back[n] = compiled.solve_ex(lower, diag, upper, rhs[:, None])[1]
+    assert handed_back == {10**4: 0, 10**5: 1}
 
 
 def test_section_12_6_on_the_intel():
@@ -322,7 +347,8 @@ def test_section_12_6_on_the_intel():
     # JAX's second thread added tens of microseconds at n = 1000 on the AMD, to a solve of about 30 µs
     assert 20e-6 < t("jax", 1000, threads=2) - t("jax", 1000) < 50e-6
     assert 25e-6 < t("jax", 1000) < 35e-6
-    # a single-system ratio outside 1 +- 0.15 on the AMD: JAX at n = 1000 and 1e4 only
+    # the op's single-system ratios scatter from 0.87 to 1.15 on the AMD, LAPACK's within 0.03 of
+    # 1: JAX at n = 1000 and 1e4 falls below both, and no other ratio lies outside 1 +- 0.16
     outside = {(impl, n) for impl in ("op", "lapack", "jax") for n in SIZES
                if abs(t(impl, n) / t(impl, n, threads=2) - 1) > 0.16}  # "about +- 0.15"
     assert outside == {("jax", 1000), ("jax", 10**4)}
