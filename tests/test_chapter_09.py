@@ -220,3 +220,46 @@ def test_compiled_graphs_hold_every_solve_forward_and_backward():
     finally:
         torch.compiler.reset()
     assert counts == {"forward": steps + 1, "backward": steps + 1}
+
+
+def test_factor_once_needs_equal_bands_to_be_the_same_function_of_theta():
+    """Section 9.10's caveat: the solver matches matrices by value, so two matrices equal in value
+    but depending differently on theta share one set of factors, and the gradient goes wrong."""
+    theta = torch.tensor(1.0, dtype=DTYPE, requires_grad=True)
+    off = torch.full((7,), -1.0, dtype=DTYPE)
+    rhs = torch.linspace(1.0, 2.0, 8, dtype=DTYPE)
+
+    def loss(solve):
+        first = solve(off, 3 + theta * torch.ones(8, dtype=DTYPE), off, rhs)
+        second = solve(off, 3 + theta**2 * torch.ones(8, dtype=DTYPE), off, rhs)  # equal at theta = 1
+        return (first + 2 * second).sum()
+
+    once = factor_once()
+    value_once, value_every = loss(once), loss(tt.tridiagonal_solve)
+    grad_once, = torch.autograd.grad(value_once, theta)
+    grad_every, = torch.autograd.grad(value_every, theta)
+    assert len(once.cache) == 1
+    assert abs(value_once - value_every) < 1e-12 * abs(value_every)
+    assert abs(grad_once - grad_every) > 0.1 * abs(grad_every)
+
+
+def test_a_compiled_objective_compiles_once_for_later_fits():
+    """Section 9.11: a new leaf of the same shape, as each fit makes, reuses the compiled code."""
+    h, x, _ = grid(15)
+    compiled = []
+
+    def backend(gm, example_inputs):
+        compiled.append(gm)
+        return gm.forward
+
+    def loss(theta):
+        return simulate(torch.nn.functional.softplus(theta), initial(x), h, DT, 3).square().sum()
+
+    f = torch.compile(loss, backend=backend, fullgraph=True)
+    try:
+        for seed in range(3):
+            theta = torch.randn(16, dtype=DTYPE, generator=torch.Generator().manual_seed(seed))
+            f(theta.requires_grad_()).backward()
+    finally:
+        torch.compiler.reset()
+    assert len(compiled) == 1
