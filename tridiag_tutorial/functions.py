@@ -288,8 +288,8 @@ class _CppSolve(torch.autograd.Function):
         lower, diag, upper, x = ctx.saved_tensors
         need_lower, need_diag, need_upper, _ = ctx.needs_input_grad
         if not (torch.is_grad_enabled() or _compat.forward_ad_active() or not _direct(grad_x)):
-            # (Written flat on purpose: at n = 1e4 the kernel evicts the interpreter from the
-            # caches, and every Python step around it costs several times its usual time.)
+            # (Written flat on purpose: every first-order backward runs this branch, so each
+            # Python step here is paid on every call.)
             if not (need_lower or need_diag or need_upper):  # rhs alone: the solve with A^H
                 return None, None, None, compiled.solve(upper.conj(), diag.conj(), lower.conj(),
                                                         grad_x)
