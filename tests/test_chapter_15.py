@@ -57,7 +57,10 @@ def test_exercise_one_the_differences_stay_out_of_the_middle_of_a_piece():
               torch.randn(n, 1, generator=g, dtype=torch.float64)]
     rows, handed_back = differing_rows(system, pieces_min_n=0)
     assert handed_back == 0 and len(rows) > 0
-    from_end = np.minimum(rows % 128, 127 - rows % 128)
+    # 8 pieces of 128 rows, the last ending at the system's last row (104 rows): the ends are
+    # every multiple of 128 and row n - 1
+    first = rows // 128 * 128
+    from_end = np.minimum(rows - first, np.minimum(first + 128, n) - 1 - rows)
     assert from_end.max() / 128 < 0.3  # "within about a quarter of a piece of its ends"
     assert np.bincount(from_end // 8)[0] > len(rows) / 4  # most lie close to an end
 
@@ -113,8 +116,8 @@ def test_the_batch_figures_of_section_15_2():
     assert len(cases) == 3
     ns = {t: [1e9 * s["op", n, b, t] / (n * b) for n, b in cases] for t in (1, 2)}
     assert span(ns[1], 1) == (4.8, 6.9)
-    assert span((s["lapack", n, b, 1] / s["op", n, b, 1] for n, b in cases), 1) == (2.9, 4.5)
-    assert span((s["jax", n, b, 1] / s["op", n, b, 1] for n, b in cases), 1) == (2.4, 2.8)
+    assert span((s["lapack", n, b, 1] / s["op", n, b, 1] for n, b in cases), 2) == (2.93, 4.47)
+    assert span((s["jax", n, b, 1] / s["op", n, b, 1] for n, b in cases), 2) == (2.38, 2.75)
     # two threads: about half the op's time; LAPACK and JAX gain nothing; the op's lead doubles
     assert all(0.45 < s["op", n, b, 2] / s["op", n, b, 1] < 0.6 for n, b in cases)
     for other in ("lapack", "jax"):
@@ -179,7 +182,8 @@ def test_the_accuracy_figures_of_section_15_4():
     assert by["badly_scaled_rows", "float64", 1000]["reversed_max_ratio"] > 1e9
     assert all(np.median(by["heat", d, n]["ratios"]) < 1 for d in ("float32", "float64")
                for n in (1000, 10**5))
-    assert round(by["poisson", "float64", 1000]["max_ratio"], 1) == 5.9
+    poisson = by["poisson", "float64", 1000]  # the summary: median 2.76, at most 5.86
+    assert round(float(np.median(poisson["ratios"])), 2) == 2.76 and round(poisson["max_ratio"], 2) == 5.86
     assert all(by["poisson", d, 10**5]["fallbacks"] == 2 for d in ("float32", "float64"))
     assert sum(r["disagreements"] for r in singular) == 0
     assert sum(r["raised"] for r in singular) == sum(r["lapack_raised"] for r in singular)
@@ -215,7 +219,7 @@ def test_the_intel_batch_figures_of_section_15_2():
     assert len(cases) == 3
     assert span((1e9 * s["op", n, b, 1] / (n * b) for n, b in cases), 1) == (6.3, 13.8)
     assert span((s["lapack", n, b, 1] / s["op", n, b, 1] for n, b in cases), 2) == (2.38, 4.65)
-    assert span((s["jax", n, b, 1] / s["op", n, b, 1] for n, b in cases), 1) == (1.9, 3.0)
+    assert span((s["jax", n, b, 1] / s["op", n, b, 1] for n, b in cases), 2) == (1.89, 3.04)
     # on two vCPUs the Intel's op took 0.55 to 0.83 of its one-thread time, with IQRs up to 21%
     assert span((s["op", n, b, 2] / s["op", n, b, 1] for n, b in cases), 2) == (0.55, 0.83)
     iqr = [(r["quartiles"][1] - r["quartiles"][0]) / r["seconds"] for r in rows.values()
@@ -265,6 +269,7 @@ def test_the_one_system_figures_of_both_machines():
             assert max(medians.values()) - min(medians.values()) <= 0.05 + 1e-9
     # in every condition, one row solved in pieces reached ?gtsv's time: Intel, float64, two
     # threads with a core busy, heat_r1 at 4096, 1.04 (IQR 15%); the AMD's largest 0.85
+    assert sum(not r["handed_back"] for rows in (amd, xeon) for r in rows.values()) == 400
     slow = {k: r for rows in (amd, xeon) for k, r in rows.items() if not r["handed_back"] and over(r) > 1}
     assert list(slow) == [("heat_r1", "float64", 2, True, 4096)]
     only = slow["heat_r1", "float64", 2, True, 4096]
@@ -302,19 +307,6 @@ def jax_on_one_long_system(run):
     forward, one quiet thread: the run's own measure of dgtsv on one long chain."""
     return [1e9 * r["seconds"] / r["n"] for r in run["rows"] if r["impl"] == "jax" and not r["batch"]
             and r["n"] >= 10**5 and r["threads"] == 1 and not r["busy"] and r["mode"] == "forward"]
-
-
-def test_the_batch_gain_over_one_chain_on_every_batch_shape():
-    """Section 15.2: over both machines and the three batch shapes, the op on one thread took 1.9 to
-    5.0 times less per unknown than dgtsv on one long system (through JAX, in the same run)."""
-    gains = []
-    for run in (REF, INTEL):
-        for r in run["rows"]:
-            if (r["impl"] == "op" and r["batch"] and r["threads"] == 1 and r["mode"] == "forward"
-                    and r["family"] == "dominant" and not r["busy"]):
-                op_ns = 1e9 * r["seconds"] / (r["n"] * r["batch"])
-                gains += [g / op_ns for g in jax_on_one_long_system(run)]
-    assert len(gains) == 2 * 3 * 18 and span(gains, 1) == (1.9, 5.0)
 
 
 def test_the_batch_gain_over_one_chain_at_1024_by_256_on_each_cpu():
