@@ -5,9 +5,14 @@ facts its prose builds on, with SciPy's LAPACK and the package: ?ptsv's factors 
 code, that its default flags leave the inputs alone while overwrite_b writes into a Fortran-ordered
 b, that ?gttrf pivots on a positive-definite matrix that is not diagonally dominant while ?pttrf
 needs no pivot, that ?gtsv keeps only U (the bands ?gttrf computes), that a NaN passes ?pttrf's
-pivot test and spreads through a joined batch, that passing one off-diagonal twice to
-tridiagonal_solve adds its two band gradients as the symmetric formula does, and the periodic
+pivot test and spreads through a joined batch, that the chapter's own NumPy kernel keeps a
+non-finite input from spoiling the other systems of its batch, that passing one off-diagonal twice
+to tridiagonal_solve adds its two band gradients as the symmetric formula does, and the periodic
 (Sherman-Morrison) solve of exercise 2."""
+
+import ast
+import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -75,6 +80,55 @@ def test_a_nan_pivot_passes_pttrf_and_spreads_through_a_joined_batch():
     assert info == 0
     assert np.isnan(x[3:]).all()             # the second system, after the NaN, is lost too
     assert np.isfinite(lapack.dptsv(d[3:], e[3:], np.ones((3, 1)))[2]).all()
+
+CHAPTER = Path(__file__).resolve().parents[1] / "notebooks" / "11_capstone.ipynb"
+
+
+def _chapter_kernel():
+    """The chapter's ``_ptsv_numpy`` (and the functions it calls), taken from the notebook's cell."""
+    cells = ["".join(c["source"]) for c in json.loads(CHAPTER.read_text())["cells"] if c["cell_type"] == "code"]
+    (source,) = [c for c in cells if "def _ptsv_numpy(" in c]
+    defs = [node for node in ast.parse(source).body if isinstance(node, ast.FunctionDef)]
+    from scipy.linalg import get_lapack_funcs
+    namespace = {"np": np, "torch": torch, "get_lapack_funcs": get_lapack_funcs}
+    exec(compile(ast.Module(body=defs, type_ignores=[]), str(CHAPTER), "exec"), namespace)
+    return namespace["_ptsv_numpy"]
+
+
+def _alone(d, e, b):
+    """Each system of a (S, ...) batch solved by its own dptsv call."""
+    return np.stack([lapack.dptsv(d[j], e[j], b[j])[2] for j in range(len(d))])
+
+
+def test_the_chapters_kernel_keeps_a_non_finite_system_to_itself():
+    # step 2: a NaN or Inf in one system must not make the other systems' x NaN
+    ptsv_numpy = _chapter_kernel()
+    rng = np.random.default_rng(11)
+    systems, n, k = 5, 6, 2
+    d = 3 + rng.random((systems, n))
+    e = 2 * rng.random((systems, n - 1)) - 1
+    b = rng.standard_normal((systems, n, k))
+    for name, where, value in (("d", (2, 3), np.nan), ("e", (1, 2), np.nan),
+                               ("b", (3, 0, 1), np.inf), ("b", (0, 4, 0), np.nan)):
+        inputs = {"d": d.copy(), "e": e.copy(), "b": b.copy()}
+        inputs[name][where] = value
+        x = ptsv_numpy(inputs["d"], inputs["e"], inputs["b"])
+        expected = _alone(inputs["d"], inputs["e"], inputs["b"])
+        clean = [j for j in range(systems) if j != where[0]]
+        assert x.shape == (systems, n, k) and x.flags.c_contiguous
+        assert np.isfinite(x[clean]).all(), (name, where)
+        assert np.abs(x[clean] - expected[clean]).max() < 1e-14, (name, where)
+        np.testing.assert_array_equal(np.isfinite(x[where[0]]), np.isfinite(expected[where[0]]))
+
+
+def test_the_chapters_kernel_names_a_matrix_that_a_nan_before_it_hides():
+    # with a NaN in d of system 0, the joined call cannot see that system 3 is not positive definite
+    ptsv_numpy = _chapter_kernel()
+    d, e = np.full((4, 5), 4.0), np.ones((4, 4))
+    d[0, 1], d[3, 2] = np.nan, -1.0
+    with pytest.raises(torch.linalg.LinAlgError, match=r"batch element \(3,\).*pivot 2"):
+        ptsv_numpy(d, e, np.ones((4, 5, 1)))
+
 
 def test_one_off_diagonal_passed_twice_gets_the_symmetric_gradient():
     gen = torch.Generator().manual_seed(13)
