@@ -4,7 +4,7 @@ without it.
 
 A spike decays geometrically down a piece where the piece is diagonally dominant. Computed to the
 end of the piece, it passes through subnormal numbers, on which some CPUs take a slow path for
-every operation that reads or writes one; the kernel cuts it to zero instead (chapter 15).
+operations that read or write one; the kernel cuts it to zero instead (chapter 15).
 :func:`probe` builds ``csrc/spike_probe.cpp`` (which includes ``pieces.h``, the kernel's own
 source, shipped with the package) with g++ on first use, into a temporary folder, and runs it on
 one system::

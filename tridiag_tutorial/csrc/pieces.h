@@ -27,8 +27,8 @@
 //    the piece (real_kernel's steps, keeping the pivots) on k + 2 right-hand sides,
 //    f_q and the spikes' a e_1 and c e_m, and back substitution: y = A_q^{-1} f_q,
 //    v = A_q^{-1} a e_1, w = A_q^{-1} c e_m. Kept: their first and last rows, and the largest
-//    magnitude of each column. A spike that decays is cut to zero before it becomes subnormal
-//    (cut_spike).
+//    magnitude of each column. A spike that decays is cut to zero at its first subnormal entry
+//    while eliminating, and below min / eps once solved (cut_spike).
 // 2. The reduced system (reduced_solve): the last unknown of piece q, b_q = x[s+m-1], and the
 //    first of piece q + 1, t_{q+1} = x[s+m], for q < P - 1, from those kept rows:
 //      b_q     + v_q[m-1] b_{q-1} + w_q[m-1] t_{q+1} = y_q[m-1]
@@ -150,8 +150,8 @@ struct PieceTile {
   // [book: cut-spike]
   // A spike entry, zero where its magnitude is below floor. A spike decays geometrically where
   // A_q is diagonally dominant: computed to the end of its piece, it passes through subnormal
-  // numbers, which some CPUs (the Intel Xeon measured) handle with a slow microcode path on every
-  // operation that reads or writes one. Cut, it stops: the entries below it stay zero. What is
+  // numbers, which some CPUs (the Intel Xeon measured) handle with a slow microcode path on
+  // operations that read or write one. Cut, it stops: the entries below it stay zero. What is
   // cut is subnormal while eliminating (those values still carry their row's scale: a piece with
   // a pivot below min / eps, a row or column scaled close to the smallest normal number, where
   // the cut could drop a term that matters, is handed back), or, once solved, a value of the spike
