@@ -162,6 +162,14 @@ def test_the_split_solve_is_accurate_and_sends_a_fixed_amount():
         assert all(r["collectives"]["split_solve_no_refinement"] == 3 for r in ranks)
         assert all(r["sent"]["split_solve"] < 10_000 for r in ranks)
         assert all(r["sent"]["gather_solve"] > 10**7 for r in ranks)
+        # without refinement x is LAPACK's bit for bit but for a few rows about the block
+        # boundaries, so the worst row, and the backward error, are LAPACK's
+        plain = torch.cat([r["x_no_refinement"] for r in ranks])
+        differ = torch.nonzero(plain != x_lapack).flatten()
+        starts = torch.tensor([sum(r["rows"] for r in ranks[:q]) for q in range(1, world_size)])
+        assert 0 < len(differ) < 50 * world_size
+        assert int((differ[:, None] - starts[None, :]).abs().min(1).values.max()) <= 50
+        assert unrefined == pytest.approx(_backward_error(*system, x_lapack), rel=1e-12)
         formula = distributed.communication(n, world_size)
         assert all(r["sent"][name] == formula[name]["sent"] for r in ranks for name in formula
                    if name in r["sent"])
@@ -264,3 +272,62 @@ def test_a_singular_block_makes_every_rank_fall_back_to_lapack():
     assert (x - x_lapack).abs().max() <= 1e-14 * x_lapack.abs().max()
     regular = run_on_ranks(fallback_worker, 2, list(parallel_demos.random_system(n)))
     assert [fallbacks for _, fallbacks in regular] == [0, 0]
+
+
+def test_one_more_column_costs_the_split_solve_13_numbers_per_rank_and_the_gather_n_over_p():
+    for n, world_size in ((1000, 2), (10**6, 4), (999, 3)):
+        for k in (1, 7):
+            fewer, more = (distributed.communication(n, world_size, k=j) for j in (k, k + 1))
+            added = {name: (more[name]["contributed"] - fewer[name]["contributed"]) // 8
+                     for name in ("split_solve", "gather_solve")}
+            assert added["split_solve"] == 13
+            assert added["gather_solve"] == -(-n // world_size)  # the largest piece's rows
+
+
+def singular_batch_worker(rank, world_size, seconds):
+    """The chapter's worker: a batch of 4 systems sharded over the ranks, system 3 singular; the
+    rank that raised meets the other at a barrier, the other calls full_tensor() on a group whose
+    timeout is ``seconds``."""
+    import datetime
+
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from tridiag_tutorial import SingularMatrixError
+
+    g = torch.Generator().manual_seed(0)
+    lower, upper = torch.randn(2, 4, 7, generator=g, dtype=F64)
+    diag = 4 + torch.rand(4, 8, generator=g, dtype=F64)
+    rhs = torch.randn(4, 8, generator=g, dtype=F64)
+    diag[3, 0] = upper[3, 0] = 0.0
+    group = dist.new_group(timeout=datetime.timedelta(seconds=seconds))
+    mesh = DeviceMesh.from_group(group, "cpu")
+    inputs = [distribute_tensor(t, mesh, [Shard(0)]) for t in (lower, diag, upper, rhs)]
+    out = {}
+    try:
+        x = tridiagonal_solve(*inputs)
+        out["solved"] = len(x.to_local())
+        try:
+            x.full_tensor()
+            out["collective"] = "returned"
+        except RuntimeError as error:
+            out["collective"] = str(error)
+    except SingularMatrixError as error:
+        out["batch_index"] = error.batch_index
+    dist.barrier()
+    return out
+
+
+@pytest.mark.slow
+def test_a_singular_system_raises_only_on_its_rank_and_the_other_waits_out_its_timeout():
+    g = torch.Generator().manual_seed(0)
+    lower, upper = torch.randn(2, 4, 7, generator=g, dtype=F64)
+    diag = 4 + torch.rand(4, 8, generator=g, dtype=F64)
+    diag[3, 0] = upper[3, 0] = 0.0
+    with pytest.raises(torch.linalg.LinAlgError):  # system 3 alone is singular
+        tridiagonal_lu_factor(lower[3], diag[3], upper[3])
+    tridiagonal_lu_factor(lower[:3], diag[:3], upper[:3])
+    rank0, rank1 = run_on_ranks(singular_batch_worker, 2, 3, timeout=60)
+    assert rank1 == {"batch_index": (1,)}  # counted within rank 1's shard
+    assert rank0["solved"] == 2 and "Timed out" in rank0["collective"]
