@@ -56,7 +56,7 @@ CXX_FLAGS = [
     # Only the stable ABI of torch 2.13 (the package's floor): [major][minor][patch][tag].
     "-DTORCH_TARGET_VERSION=0x020d000000000000",
 ]
-LINK_FLAGS = ["-s"]  # stripped: the library is a tenth of its size with symbols
+LINK_FLAGS = ["-s"]  # stripped: no symbol table, which loading does not use
 # [/book: setup-flags]
 NO_TORCH = ("tridiag-tutorial needs PyTorch installed before it is installed, and this environment "
             "has none. Install torch first, then this package again:\n"

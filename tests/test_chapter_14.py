@@ -134,6 +134,11 @@ for name, attempt in attempts.items():
         print(name, "ran")
     except RuntimeError as error:  # refused, and saying why
         print(name, "refused", WHY[name] in str(error))
+try:
+    op.solve(0 * lower, 0 * diag, upper, rhs, None, None, "N", "cpp")
+    print("singular ran")
+except RuntimeError as error:  # plain: only the package's Python raises SingularMatrixError
+    print("singular", type(error).__name__, "in system 0 (flat index over the batch)" in str(error))
 print("imported", any(m.startswith("tridiag_tutorial") for m in sys.modules))
 """
 
@@ -141,12 +146,13 @@ print("imported", any(m.startswith("tridiag_tutorial") for m in sys.modules))
 @pytest.mark.slow
 def test_the_library_alone_solves_from_the_bands_on_any_driver_and_refuses_the_rest():
     """Section 14.6 (and chapter 13's section 13.8): in a process that loads only the library, the
-    composite kernel solves whatever driver the graph recorded, and refuses factoring, solves from
-    factors and trans other than 'N'."""
+    composite kernel solves whatever driver the graph recorded, refuses factoring, solves from
+    factors and trans other than 'N', and raises a plain RuntimeError on a singular matrix."""
     require_cpp()
     run = subprocess.run([sys.executable, "-c", LIBRARY_ALONE, str(compiled.library_path())],
                          capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stderr[-2000:]
     assert run.stdout.split("\n")[:-1] == [
         "cpp True", "lapack True", "sequential True", "partitioned True",
-        "lu_factor refused True", "trans refused True", "factors refused True", "imported False"]
+        "lu_factor refused True", "trans refused True", "factors refused True",
+        "singular RuntimeError True", "imported False"]
