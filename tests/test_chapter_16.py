@@ -476,3 +476,54 @@ def test_the_probe_test_rejects_the_singular_matrix_of_section_16_7():
     lower[3], upper[5] = 0.0, 0.0
     lower[4], diag[5] = 0.5 * diag[4], 0.5 * upper[4]
     assert "probe" in failed(check_values(lower, diag, upper, torch.ones(64, 1, dtype=F64)))
+
+
+def test_on_cuda_the_automatic_choice_switches_at_64_unknowns_whatever_the_batch():
+    for batch in (1, 10**5):
+        assert choose_driver("cuda", F64, batch, kernels.PARTITIONED_MIN_N - 1, False) == "sequential"
+        assert choose_driver("cuda", F64, batch, kernels.PARTITIONED_MIN_N, False) == "partitioned"
+    assert kernels.PARTITIONED_MIN_N == 64
+
+
+def test_the_partitioned_derivatives_at_n_70_come_from_the_kernel_not_its_fallback():
+    system = random_system(70, k=2, seed=6)
+    weights = torch.randn(70, 2, dtype=F64, generator=torch.Generator().manual_seed(1))
+    tangents = [torch.randn(t.shape, dtype=F64, generator=torch.Generator().manual_seed(2)) for t in system]
+
+    def derivatives():
+        inputs = [t.clone().requires_grad_() for t in system]
+        torch.autograd.grad((tridiagonal_solve(*inputs, driver="partitioned") * weights).sum(), inputs)
+        torch.func.jvp(lambda *t: tridiagonal_solve(*t, driver="partitioned"), tuple(system), tuple(tangents))
+
+    _, seq, part = sequential_calls(derivatives)
+    assert seq == 0 and part >= 3  # forward, backward and tangent solves, none through the fallback
+    lower, diag, upper, rhs = system
+    assert partitioned.solve_ex(lower, diag, upper, rhs)[1] is False
+    assert partitioned.solve_ex(upper, diag, lower, weights)[1] is False
+
+
+def test_none_of_the_timed_partitioned_cases_falls_back():
+    cases = [(1, n) for n in (16, 32, 64, 128, 256, 1024)] + [(1024, n) for n in (16, 32, 64)]
+    for systems, n in cases:
+        lower, diag, upper, rhs = random_system(n, batch=(systems,), seed=n)
+        assert partitioned.solve_ex(lower, diag, upper, rhs[..., None])[1] is False, (systems, n)
+
+
+def test_each_accuracy_row_has_82_systems_and_only_scaled_rows_escape_the_singular_error():
+    tables = _partitioned_reference()
+    for rows in tables.values():
+        regular = [r for r in rows if r["ratios"] is not None or r["family"] in accuracy.FAMILIES]
+        by_n = {}
+        for r in regular:
+            by_n.setdefault(r["n"], set()).add(r["systems"])
+        assert by_n == {64: {60}, 1000: {20}, 100_000: {2}}
+    singular = [r for r in tables["refine + check"] if r["ratios"] is None]
+    escaped = {r["family"] for r in singular if r["lapack_raised"] < r["systems"]}
+    assert escaped == {"scaled_row"}
+    assert all(r["raised"] == r["lapack_raised"] and r["disagreements"] == 0 for r in singular)
+
+
+@pytest.mark.skipif(not hasattr(torch.Tag, "cudagraph_unsafe"), reason="this torch has no such tag")
+def test_the_packages_ops_carry_no_cudagraph_unsafe_tag():
+    for op in (torch.ops.tridiag_tutorial.solve.default, torch.ops.tridiag_tutorial.solve_kernel.default):
+        assert torch.Tag.cudagraph_unsafe not in op.tags
