@@ -129,6 +129,11 @@ def test_vmap_calls_the_kernel_once_and_jacobians_batch_their_columns():
     # a Hessian-vector product solves a fixed number of columns, the Hessian O(n)
     u = torch.randn(n, dtype=F64)
     assert columns(lambda: jvp(grad(loss_d), (d1,), (u,))) < columns(lambda: hessian(loss_d)(d1))
+    l2, d2, u2, b2 = make_system(2 * n, seed=6)
+    loss_2n = lambda d: tridiagonal_solve(l2, d, u2, b2).square().sum()  # noqa: E731
+    assert columns(lambda: jvp(grad(loss_2n), (d2,), (torch.ones_like(d2),))) == columns(
+        lambda: jvp(grad(loss_d), (d1,), (u,)))
+    assert columns(lambda: hessian(loss_2n)(d2)) > columns(lambda: hessian(loss_d)(d1))
 
 
 def dense_routes():
@@ -225,6 +230,10 @@ def test_complex_gradient_uses_the_conjugate_transpose():
     g = 2 * x.detach()
     torch.testing.assert_close(g_rhs, torch.linalg.solve(A.mH, g))
     assert relative(g_rhs, torch.linalg.solve(A.mT, g)) > 0.1
+    # torch.func.grad follows the same convention as torch.autograd.grad
+    lower, diag, upper, rhs = (t.detach() for t in args)
+    func_g = grad(lambda b: tridiagonal_solve(lower, diag, upper, b).abs().square().sum())(rhs)
+    torch.testing.assert_close(func_g, g_rhs)
 
 
 def test_grad_applies_the_ops_function_twice_per_call():
