@@ -262,8 +262,21 @@ def test_the_final_op_compiles_fullgraph_and_has_forward_mode():
         torch.testing.assert_close(g, e)
     primals = tuple(t.detach() for t in inputs)
     tangents = tuple(torch.randn_like(t) for t in primals)
-    torch.testing.assert_close(torch.func.jvp(tridiagonal_solve, primals, tangents)[1],
-                               torch.func.jvp(dense_solve, primals, tangents)[1])
+    dense_tangent = torch.func.jvp(dense_solve, primals, tangents)[1]
+    torch.testing.assert_close(torch.func.jvp(tridiagonal_solve, primals, tangents)[1], dense_tangent)
+    # compiled, the jvp goes through the compiled path: one graph holding the op tridiag_tutorial::solve
+    graphs = []
+
+    def keep(gm, example_inputs):
+        graphs.append([str(n.target) for n in gm.graph.nodes])
+        return gm.forward
+
+    torch.compiler.reset()
+    compiled_jvp = torch.compile(lambda p, t: torch.func.jvp(tridiagonal_solve, p, t)[1],
+                                 fullgraph=True, backend=keep)
+    torch.testing.assert_close(compiled_jvp(primals, tangents), dense_tangent)
+    torch.compiler.reset()
+    assert len(graphs) == 1 and any(t.startswith("tridiag_tutorial.solve.") for t in graphs[0])
 
 
 # The implicit smoother of section 6.5, on its own seeds.
