@@ -40,6 +40,12 @@ def test_backward_euler_steps_match_the_eigen_decomposition():
     assert abs(g(1) ** steps - np.exp(-np.pi**2 * 0.1)) < 0.01
 
 
+def test_the_fast_mode_is_all_but_gone_after_20_steps_and_the_slow_one_is_not():
+    h, r = 0.01, 10.0
+    g = lambda m: 1 / (1 + 4 * r * np.sin(m * np.pi * h / 2) ** 2)  # noqa: E731
+    assert 0.5 * g(5) ** 20 < 0.01 and g(1) ** 20 > 0.8
+
+
 def test_the_explicit_step_blows_up_at_r_10():
     n, r = 99, 10.0
     x = torch.linspace(0.01, 0.99, n, dtype=torch.float64)
@@ -86,8 +92,9 @@ def test_raw_gtsv_reports_singular_only_through_info_and_the_package_raises():
     s_l, s_d, s_u = np.array([1.0, 0.0]), np.ones(3), np.array([1.0, 0.0])
     *_, info = dgtsv(s_l, s_d, s_u, np.array([[1.0], [2.0], [3.0]]))
     assert info == 2
-    with pytest.raises(torch.linalg.LinAlgError, match="pivot U\\[1, 1\\] is exactly zero"):
+    with pytest.raises(torch.linalg.LinAlgError, match="pivot U\\[1, 1\\] is exactly zero") as caught:
         lapack.gtsv(s_l, s_d, s_u, np.array([1.0, 2.0, 3.0]))
+    assert type(caught.value) is tt.SingularMatrixError  # the name the chapter prints
 
 
 def test_the_singular_systems_garbage_is_not_a_solution():
