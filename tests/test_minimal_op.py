@@ -46,7 +46,7 @@ def test_opcheck_passes():
 def test_gradcheck_reverse_and_forward():
     args = [t.requires_grad_() for t in system(5)]
     assert torch.autograd.gradcheck(solve, args, check_forward_ad=True, check_batched_grad=True)
-    assert torch.autograd.gradgradcheck(solve, args)
+    assert torch.autograd.gradgradcheck(solve, args, check_fwd_over_rev=True)
 
 
 def test_dense_gradients_match():
@@ -210,6 +210,15 @@ def test_meta_tensors_get_the_shape_without_a_solve():
         solve(dl, d, du, b)
 
 
+def test_the_device_error_names_the_tensor_off_the_cpu():
+    dl, d, du, b = system(5)
+    for i, name in enumerate(["dl", "d", "du", "b"]):
+        args = [dl, d, du, b]
+        args[i] = args[i].to("meta")
+        with pytest.raises(ValueError, match=f"CPU tensors only, got {name} on meta$"):
+            solve(*args)
+
+
 def test_solve_is_the_only_public_entry_point():
     assert minimal_op.__all__ == ["solve"]
     assert not [name for name in vars(minimal_op) if name.endswith("_op") and not name.startswith("_")]
@@ -235,3 +244,54 @@ def test_the_refusal_lets_an_unrelated_error_through(monkeypatch):
     with pytest.raises(RuntimeError, match="an unrelated failure") as caught:
         _solve_op(dl, d, du, b)
     assert caught.type is RuntimeError  # not turned into the refusal's NotImplementedError
+
+
+@pytest.mark.slow
+def test_a_compiled_call_inside_a_dual_level_raises_on_the_graphs_first_run_only():
+    """Chapter 8's table: the first run of a compiled graph inside a dual level refuses even without
+    tangents; later runs are right without tangents and still refuse with them."""
+    dl, d, du, b = system(6)
+    ones = torch.ones_like(d)
+    for with_tangent in (False, True):
+        torch.compiler.reset()
+        compiled = torch.compile(lambda x: solve(dl, x, du, b), backend="aot_eager", fullgraph=True)
+        with fwAD.dual_level():
+            x = fwAD.make_dual(d, ones) if with_tangent else d
+            with pytest.raises(NotImplementedError, match="active forward-AD level"):
+                compiled(x)
+            if with_tangent:
+                with pytest.raises(NotImplementedError, match="forward-mode AD reached the op"):
+                    compiled(x)
+            else:
+                close(compiled(x), dense(dl, d, du, b))
+    torch.compiler.reset()
+
+
+@pytest.mark.slow
+def test_the_function_alone_cannot_compile_a_loss_for_backward_but_solve_can():
+    """Why solve gives traced code the op: Dynamo refuses a Function with a jvp under fullgraph."""
+    dl, d, du, b = system(6)
+    for f in (SolveFunction.apply, solve):
+        torch.compiler.reset()
+        loss = torch.compile(lambda x: f(dl, x, du, b).pow(3).sum(), backend="aot_eager", fullgraph=True)
+        x = d.clone().requires_grad_()
+        if f is solve:
+            close(torch.autograd.grad(loss(x), x)[0], grad(lambda y: dense(dl, y, du, b).pow(3).sum())(d))
+        else:
+            with pytest.raises(Exception, match="Unsupported custom jvp"):
+                loss(x)
+    torch.compiler.reset()
+
+
+@pytest.mark.slow
+def test_torch_export_traces_solve_to_the_op():
+    dl, d, du, b = system(6)
+
+    class Solve(torch.nn.Module):
+        def forward(self, dl, d, du, b):
+            return solve(dl, d, du, b)
+
+    exported = torch.export.export(Solve(), (dl, d, du, b))
+    calls = [node.target for node in exported.graph.nodes if node.op == "call_function"]
+    assert calls == [torch.ops.tridiag_minimal.solve.default]
+    close(exported.module()(dl, d, du, b), dense(dl, d, du, b))

@@ -1,4 +1,5 @@
-r"""Chapter 8: an operator you can copy, a tridiagonal solve on public torch APIs only.
+r"""Chapter 8: an operator you can copy, a tridiagonal solve on public torch APIs (it also reads
+the text of one torch error message, in ``_refuse_tangents``).
 
 ``solve(dl, d, du, b)`` returns ``x`` with ``A x = b``, where ``A`` has the sub-diagonal ``dl``
 ``(..., n-1)``, the diagonal ``d`` ``(..., n)`` and the super-diagonal ``du`` ``(..., n-1)``, and
@@ -13,11 +14,12 @@ Two public mechanisms, each with a gap on torch 2.13, and ``solve`` picks betwee
   ``torch.func.grad`` and returns zero tangents under forward mode;
 - the ``autograd.Function`` ``SolveFunction`` (``setup_context``, ``backward``, ``jvp``,
   ``generate_vmap_rule``)
-  calls the same op and works with every eager ``torch.func`` transform and forward-mode AD; but
-  Dynamo refuses a Function with a ``jvp`` under ``fullgraph=True``.
+  calls the same op and works with the eager ``torch.func`` transforms and forward-mode AD, except
+  forward over forward, which it gets silently wrong; and Dynamo refuses a Function with a ``jvp``
+  under ``fullgraph=True``.
 
 So eager code runs the Function and traced code the op. Where neither is right (forward mode
-inside ``torch.compile``, forward over forward), ``solve`` raises instead of answering wrongly.
+inside ``torch.compile``, a traced call inside a dual level, forward over forward), ``solve`` raises instead of answering wrongly.
 The op stays private (``_solve_op``): called alone under ``jvp`` it returns zero tangents.
 """
 
@@ -49,8 +51,9 @@ def _check(dl, d, du, b, devices=("cpu",)):
         raise ValueError(f"tridiag_minimal.solve: need d and b of shape (..., n) and dl, du of shape "
                          f"(..., n-1), n >= 2, one batch shape; got dl {tuple(dl.shape)}, d {tuple(d.shape)}, "
                          f"du {tuple(du.shape)}, b {tuple(b.shape)}")
-    if any(t.device.type not in devices for t in (dl, d, du, b)):
-        raise ValueError(f"tridiag_minimal.solve: CPU tensors only, got b on {b.device}")
+    for name, t in zip(("dl", "d", "du", "b"), (dl, d, du, b)):
+        if t.device.type not in devices:
+            raise ValueError(f"tridiag_minimal.solve: CPU tensors only, got {name} on {t.device}")
 
 
 @torch.library.custom_op("tridiag_minimal::solve", mutates_args=(), device_types="cpu")
@@ -84,13 +87,14 @@ def _refuse_tangents(*tensors):
     """The op has no forward-mode rule: a tangent that reaches it would be dropped, so raise."""
     try:
         lost = any(fwAD.unpack_dual(t).tangent is not None for t in tensors)
-    except RuntimeError as error:  # traced code run inside a dual level: unpacking fails in torch
+    except RuntimeError as error:  # make_fx, or a compiled graph's first run, inside a dual level
         if "_fw_primal" not in str(error):  # any other error is not this one: let it through
             raise
         raise NotImplementedError(
-            "tridiag_minimal.solve: a traced call (torch.compile, or make_fx as in torch.func.linearize) "
-            "inside an active forward-AD level (dual_level) cannot see tangents, so it refuses, with or "
-            "without tangents on its inputs; use jvp, jacfwd or dual numbers on uncompiled calls") from None
+            "tridiag_minimal.solve: a traced call (make_fx as in torch.func.linearize, or a compiled "
+            "graph's first run) inside an active forward-AD level (dual_level) cannot see tangents, so it "
+            "refuses, with or without tangents on its inputs; use jvp, jacfwd or dual numbers on "
+            "uncompiled calls") from None
     if lost:
         raise NotImplementedError(
             "tridiag_minimal.solve: forward-mode AD reached the op, which has no forward rule (dual "
