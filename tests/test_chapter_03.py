@@ -1,7 +1,8 @@
 """Chapter 3's claims, recomputed: the band gradients are the three central diagonals of the dense
 gradient -v x^H, A^T and A^H are the swapped (and conjugated) bands, the backward rule makes one
-solve on them, the conjugations matter for complex inputs, a custom op with only a reverse rule
-gives zero tangents under torch.func.jvp but the right ones by double backward, JAX's tridiagonal solve carries the same rules, and PyTorch's derivatives.yaml pairs both rules for its
+solve on them, the conjugations matter for complex inputs, chapter 5's custom op (a backward and a
+batch rule, no forward rule) gives zero tangents under torch.func.jvp on this torch version but the
+right ones by double backward, torch.func.jvp through special_zeta raises, JAX's tridiagonal solve carries the same rules, and PyTorch's derivatives.yaml pairs both rules for its
 dense solve."""
 
 import pathlib
@@ -73,7 +74,7 @@ def test_forgetting_the_conjugations_gives_wrong_complex_gradients():
     assert torch.allclose(-v_right * xd.conj(), leaves[1].grad, rtol=0, atol=1e-12)
 
 
-def test_a_custom_op_with_only_register_autograd_gives_zero_tangents():
+def test_a_custom_op_without_a_forward_rule_gives_zero_tangents():
     from tridiag_tutorial.book.custom_op import tridiagonal_solve_custom_op
 
     lower, diag, upper = bands(6)
@@ -158,3 +159,14 @@ def test_jaxs_tridiagonal_solve_carries_this_chapters_rules():
     theirs = [np.asarray(grads[0])[1:], np.asarray(grads[1]), np.asarray(grads[2])[:-1], np.asarray(grads[3])[:, 0]]
     for mine, jx in zip(ours, theirs):
         assert np.abs(mine.numpy() - jx).max() < 1e-12
+
+
+def test_forward_mode_through_special_zeta_raises():
+    torchgen = pytest.importorskip("torchgen")
+    path = pathlib.Path(torchgen.__file__).parent / "packaged" / "autograd" / "derivatives.yaml"
+    if path.exists():
+        (entry,) = [e for e in path.read_text().split("\n\n") if e.strip().startswith("- name: special_zeta(")]
+        assert "result:" not in entry
+    q = torch.tensor([1.5, 2.0], dtype=torch.float64)
+    with pytest.raises(NotImplementedError, match="forward AD"):
+        torch.func.jvp(lambda q: torch.special.zeta(torch.full_like(q, 3.0), q), (q,), (torch.ones_like(q),))
