@@ -68,6 +68,27 @@ def test_rhs_is_not_saved_so_its_buffer_may_be_reused():
     assert_close(d.grad, expected)
 
 
+def test_the_package_backward_returns_every_gradient_and_autograd_drops_the_unneeded():
+    """Section 4.4: the package's backward ignores ``ctx.needs_input_grad`` (it returns all four
+    gradients), and autograd keeps only those of the inputs that need one."""
+    lower, diag, upper, rhs = make_system(5, seed=54)
+    returned = []
+
+    class Recording(LapackTridiagonalSolve):
+        @staticmethod
+        def backward(ctx, grad_x):
+            grads = LapackTridiagonalSolve.backward(ctx, grad_x)
+            returned.extend(grads)
+            return grads
+
+    d = diag.clone().requires_grad_()
+    Recording.apply(lower, d, upper, rhs.unsqueeze(-1)).pow(2).sum().backward()
+    assert len(returned) == 4 and all(isinstance(g, torch.Tensor) for g in returned)
+    expected = torch.autograd.grad(dense_solve(lower, d, upper, rhs).pow(2).sum(), d)[0]
+    assert_close(d.grad, expected)
+    assert lower.grad is None and upper.grad is None
+
+
 def test_no_second_derivative():
     args = make_system(5, seed=47)
     with pytest.raises(GradcheckError, match="Jacobian mismatch"):
