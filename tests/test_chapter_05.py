@@ -124,3 +124,60 @@ def test_where_the_op_stops_under_torch_func():
     _, dense_tangent = torch.func.jvp(lambda d: dense_solve(lower, d, upper, rhs), (diag,), (u,))
     assert torch.all(tangent == 0) and dense_tangent.abs().max() > 1e-3
     assert torch.all(torch.func.jacfwd(solve_in_diag)(diag) == 0)
+
+
+def test_redefining_a_custom_op_replaces_it_for_every_handle():
+    @torch.library.custom_op("test_ch05::plus", mutates_args=())
+    def plus(x: torch.Tensor) -> torch.Tensor:
+        return x + 1
+
+    first = plus
+
+    @torch.library.custom_op("test_ch05::plus", mutates_args=())
+    def plus(x: torch.Tensor) -> torch.Tensor:  # noqa: F811 (the redefinition is the point)
+        return x + 2
+
+    x = torch.zeros(2)
+    assert torch.equal(first(x), x + 2) and torch.equal(torch.ops.test_ch05.plus(x), x + 2)
+
+
+def test_a_cpu_only_op_has_no_kernel_for_cuda():
+    @torch.library.custom_op("test_ch05::cpu_only", mutates_args=(), device_types="cpu")
+    def cpu_only(x: torch.Tensor) -> torch.Tensor:
+        return 2 * x
+
+    name = "test_ch05::cpu_only"
+    assert torch._C._dispatch_has_computed_kernel_for_dispatch_key(name, "CPU")
+    assert not torch._C._dispatch_has_computed_kernel_for_dispatch_key(name, "CUDA")
+
+
+@torch_trap
+def test_the_vmap_fallback_warns_on_stderr_only(capfd):
+    """torch 2.13: the fallback's TORCH_WARN reaches standard error, not Python's warnings."""
+    import warnings
+
+    @torch.library.custom_op("test_ch05::no_rule", mutates_args=())
+    def no_rule(x: torch.Tensor) -> torch.Tensor:
+        return 2 * x
+
+    torch._C._functorch._set_vmap_fallback_warning_enabled(True)
+    capfd.readouterr()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.func.vmap(no_rule)(torch.ones(3, 2))
+    assert len(caught) == 0
+    assert "batching rule for test_ch05::no_rule" in capfd.readouterr().err
+
+
+def test_opcheck_autograd_registration_passes_a_custom_op_without_backward():
+    @torch.library.custom_op("test_ch05::no_backward", mutates_args=())
+    def no_backward(x: torch.Tensor) -> torch.Tensor:
+        return torch.from_numpy(2 * x.numpy())
+
+    no_backward.register_fake(lambda x: torch.empty_like(x))
+    x = torch.randn(3, dtype=torch.float64, requires_grad=True)
+    results = torch.library.opcheck(no_backward, (x,), test_utils="test_autograd_registration",
+                                    raise_exception=False)
+    assert results == {"test_autograd_registration": "SUCCESS"}
+    with pytest.raises(RuntimeError, match="no autograd formula"):
+        no_backward(x).sum().backward()
