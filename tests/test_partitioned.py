@@ -419,3 +419,23 @@ def test_solve_ex_says_whether_it_fell_back():
     x, fell_back = partitioned.solve_ex(*system)
     assert fell_back is True
     assert_close(x, dense(*system))
+
+
+def test_probes_are_built_on_the_device_without_a_host_tensor(monkeypatch):
+    # The probes' entries are 2 frac(i s) - 1 for s the golden ratio and sqrt(2) (mod 1). A
+    # tensor built from Python numbers would be a blocking host-to-device copy on a GPU, on every
+    # checked solve: _probe must not call torch.tensor.
+    n = 7
+    i = [float(k) for k in range(1, n + 1)]
+    expected = torch.tensor([[2 * ((k * 0.6180339887498949) % 1) - 1, 2 * ((k * 0.4142135623730951) % 1) - 1]
+                             for k in i], dtype=torch.float64)
+
+    def no_host_tensor(*args, **kwargs):
+        raise AssertionError("_probe built a tensor from host data")
+
+    rhs = torch.zeros(3, n, 1, dtype=torch.float32)
+    monkeypatch.setattr(partitioned.torch, "tensor", no_host_tensor)
+    probes = partitioned._probe(rhs)
+    monkeypatch.undo()
+    assert probes.shape == (3, n, 2) and probes.dtype == torch.float32
+    torch.testing.assert_close(probes[1].double(), expected.float().double(), rtol=0, atol=0)

@@ -148,7 +148,8 @@ def _probe(rhs: torch.Tensor) -> torch.Tensor:
     nearly orthogonal to the null space of a nearly singular ``A`` can hide it."""
     n = rhs.shape[-2]
     i = torch.arange(1, n + 1, device=rhs.device, dtype=torch.float64)[:, None]
-    z = 2 * torch.frac(i * torch.tensor(_PROBE_STEPS, dtype=torch.float64, device=rhs.device)) - 1
+    # Python scalars, not a tensor built from them: on a GPU that would be a blocking host copy
+    z = 2 * torch.frac(torch.cat([i * step for step in _PROBE_STEPS], dim=-1)) - 1
     return z.to(rhs.dtype).expand(*rhs.shape[:-1], len(_PROBE_STEPS))
 
 
