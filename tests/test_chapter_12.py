@@ -166,18 +166,42 @@ def test_on_lapack_two_threads_stay_within_003_of_one():
         assert abs(t("lapack", n, batch, threads=1) / t("lapack", n, batch, threads=2) - 1) < 0.03
 
 
-def test_a_busy_core_on_both_machines():
-    """Section 12.6's busy / quiet table, every size: 0.89 to 1.14 on the AMD; on the Intel 0.88 to
-    1.01 on one thread, 0.72 to 1.39 (in both directions) on two."""
-    busy = {(run, impl, n, k): f(impl, n, threads=k, busy=True) / f(impl, n, threads=k)
-            for run, f in (("AMD", t), ("Intel", ti)) for impl in ("op", "lapack", "jax")
-            for n in SIZES for k in (1, 2)}
-    for run, expected in (("AMD", (0.89, 1.14)), ("Intel", (0.72, 1.39))):
-        qs = [q for key, q in busy.items() if key[0] == run]
-        assert (round(min(qs), 2), round(max(qs), 2)) == expected
-    for k, expected in ((1, (0.88, 1.01)), (2, (0.72, 1.39))):
-        qs = [q for key, q in busy.items() if key[0] == "Intel" and key[3] == k]
-        assert (round(min(qs), 2), round(max(qs), 2)) == expected
+def test_a_busy_core_on_the_amd():
+    """Section 12.6's busy / quiet table (the AMD run; the Intel's busy rows are left out): on one
+    thread or two, every ratio lies between 0.89 and 1.14."""
+    busy = [t(impl, n, threads=k, busy=True) / t(impl, n, threads=k)
+            for impl in ("op", "lapack", "jax") for n in SIZES for k in (1, 2)]
+    assert (round(min(busy), 2), round(max(busy), 2)) == (0.89, 1.14)
+
+
+def test_the_intel_run_has_the_installed_kernel_and_the_amd_an_older_one():
+    """Section 12.3: "Intel: the op's current kernel"; "AMD: an older version of the op's kernel"."""
+    from tridiag_tutorial.kernels import compiled
+
+    installed = (compiled.PIECES_SPIKES, compiled.PIECES_LAST_TILE)
+    record = lambda m: (m["pieces_spikes"], m["pieces_last_tile"])  # noqa: E731
+    assert record(INTEL["machine"]) == installed != record(REF["machine"])
+
+
+def test_with_a_gradient_the_default_path_makes_one_cpp_call_each_way(monkeypatch):
+    """Section 12.4: the op as installed runs its C++ kernel inside _CppSolve, whose backward makes
+    one C++ call (the cell times those two calls beside the whole forward + backward)."""
+    import tridiag_tutorial as tt
+    from tridiag_tutorial.bench import benchmarks
+    from tridiag_tutorial.kernels import compiled
+
+    if not tt.cpp_available():
+        pytest.skip("the C++ kernel is not built")
+    calls = []
+    for name in ("solve", "solve_backward"):
+        real = getattr(compiled, name)
+        monkeypatch.setattr(compiled, name,
+                            lambda *a, _real=real, _name=name: calls.append(_name) or _real(*a))
+    leaves = [a.detach().requires_grad_() for a in benchmarks.problem(100, 0, torch.float64)]
+    x = tt.tridiagonal_solve(*leaves)
+    assert type(x.grad_fn).__name__ == "_CppSolveBackward" and calls == ["solve"]
+    torch.autograd.grad(x, leaves, torch.ones_like(x))
+    assert calls == ["solve", "solve_backward"]
 
 
 def test_the_reference_has_no_busy_rows_for_a_batch():
@@ -306,6 +330,8 @@ def test_section_12_3_on_both_machines():
     # the nine matrices on the Intel spread by a ninth at 1e4
     at_1e4 = [over_jax_intel("lapack", 10**4, f) for f in FAMILIES]
     assert abs((max(at_1e4) - min(at_1e4)) / min(at_1e4) - 1 / 9) < 0.01
+    # at n = 100 the op took 1.16 of JAX's time on the Intel (16% slower), 1.09 on the AMD
+    assert (round(over_jax_intel("op", 100), 2), round(over_jax("op", 100), 2)) == (1.16, 1.09)
     # the op close to JAX at n = 100 on both; from 1e4 about two thirds on the Intel, 0.4 on the AMD
     assert 0.9 < over_jax_intel("op", 100) < 1.2 and 0.9 < over_jax("op", 100) < 1.2
     assert all(0.6 < over_jax_intel("op", n) < 0.75 for n in SIZES[2:])
