@@ -58,16 +58,22 @@ def sequential_calls(fn):
     return result, seq.call_count, part.call_count
 
 
+def _bits(t):
+    """The 64-bit patterns of a float64 or complex128 tensor's numbers (real and imaginary parts)."""
+    return (torch.view_as_real(t) if t.is_complex() else t).contiguous().view(torch.int64)
+
+
 def test_sequential_factors_are_lapacks_bit_for_bit():
     l0, d0, u0 = torch.ones(5, dtype=F64), torch.tensor([0.0, 3, 3, 3, 3, 3], dtype=F64), torch.ones(5, dtype=F64)
     lu, piv = sequential.factor(l0, d0, u0)
     lu_l, piv_l = map(torch.from_numpy, lapack.factor(l0.numpy(), d0.numpy(), u0.numpy()))
-    assert torch.equal(lu, lu_l) and torch.equal(piv, piv_l) and piv[0] == 2
+    assert torch.equal(_bits(lu), _bits(lu_l)) and torch.equal(piv, piv_l) and piv[0] == 2
     lb, db, ub, _ = random_system(40, batch=(16,), seed=10)
     db[db.abs() < 2.0] = 0.0
     lu, piv = sequential.factor(lb, db, ub)
     lu_l, piv_l = map(torch.from_numpy, lapack.factor(lb.numpy(), db.numpy(), ub.numpy()))
-    assert torch.equal(lu, lu_l) and torch.equal(piv, piv_l)
+    assert torch.equal(_bits(lu), _bits(lu_l)) and torch.equal(piv, piv_l)  # signed zeros included
+    assert torch.signbit(lu_l[lu_l == 0]).any()  # there are -0.0s to get right
     assert (piv != torch.arange(1, 41, dtype=piv.dtype)).sum() > 100  # it does pivot
 
 
@@ -235,7 +241,10 @@ def test_complex_factors_are_zgttrfs_and_a_singular_complex_matrix_raises_at_the
     dc[dc.abs() < 1.2] = 0.0
     lu, piv = sequential.factor(lc, dc, uc)
     lu_l, piv_l = map(torch.from_numpy, lapack.factor(lc.numpy(), dc.numpy(), uc.numpy()))
-    assert torch.equal(lu, lu_l) and torch.equal(piv, piv_l)
+    assert torch.equal(lu, lu_l) and torch.equal(piv, piv_l)  # equal as numbers
+    differ = _bits(lu) != _bits(lu_l)  # as bits, only zeros of opposite sign, and no pivot among them
+    assert differ.any() and (torch.view_as_real(lu)[differ] == 0).all()
+    assert torch.equal(_bits(lu[..., 1, :]), _bits(lu_l[..., 1, :]))
     assert (piv != torch.arange(1, 41, dtype=piv.dtype)).sum() > 100
     ls = torch.tensor([1 - 2j, 0, 0.5 + 0.5j, 1, 2], dtype=c128)
     ds = torch.tensor([2 + 1j, 3 - 1j, 1 + 1j, 0.5, 4 - 2j, 1], dtype=c128)
@@ -527,3 +536,43 @@ def test_each_accuracy_row_has_82_systems_and_only_scaled_rows_escape_the_singul
 def test_the_packages_ops_carry_no_cudagraph_unsafe_tag():
     for op in (torch.ops.tridiag_tutorial.solve.default, torch.ops.tridiag_tutorial.solve_kernel.default):
         assert torch.Tag.cudagraph_unsafe not in op.tags
+
+
+class CountHostReads(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.reads = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten._local_scalar_dense.default:
+            self.reads += 1
+        return func(*args, **(kwargs or {}))
+
+
+def test_the_checked_kernel_reads_back_once_and_a_fallback_once_more():
+    singular_block = random_system(70, seed=7)
+    singular_block[0][2], singular_block[1][3] = 0.0, 0.0
+    reads = {}
+    for system in (random_system(100, seed=3), singular_block):
+        with CountHostReads() as counter:
+            fell = partitioned.solve_ex(*system[:3], system[3][:, None])[1]
+        reads[fell] = counter.reads
+    assert reads == {False: 1, True: 2}
+
+
+def test_the_switch_rule_the_chapter_quotes_is_the_packages():
+    doc = " ".join(kernels.choose_driver.__doc__.split())
+    assert ("a judgement from the operation counts for few systems, where launches dominate, "
+            "not a GPU measurement") in doc
+
+
+def test_the_checked_kernel_writes_about_ten_times_the_unchecked_bytes():
+    for systems, n in [(1024, 16), (1024, 64), (1, 1024)]:
+        system = random_system(n, batch=(systems,), seed=n)
+        ratio = _bytes(partitioned.solve, *system) / _bytes(partitioned.solve_unchecked, *system)
+        assert 8.5 < ratio < 11.5
+
+
+def test_a_device_other_than_mps_gets_the_partitioned_kernel_whatever_its_float64_support():
+    for device in ("xpu", "cuda"):
+        assert choose_driver(device, torch.float32, 1, kernels.PARTITIONED_MIN_N, False) == "partitioned"
