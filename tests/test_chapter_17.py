@@ -331,3 +331,48 @@ def test_a_singular_system_raises_only_on_its_rank_and_the_other_waits_out_its_t
     rank0, rank1 = run_on_ranks(singular_batch_worker, 2, 3, timeout=60)
     assert rank1 == {"batch_index": (1,)}  # counted within rank 1's shard
     assert rank0["solved"] == 2 and "Timed out" in rank0["collective"]
+
+
+def _componentwise_condition(lower, diag, upper, rhs, x, iterations=5):
+    """The chapter's Hager estimate of || |A^-1| (|A||x| + |b|) ||_inf / ||x||_inf."""
+    g = tridiag_matmul(lower.abs(), diag.abs(), upper.abs(), x.abs()[:, None])[:, 0] + rhs.abs()
+
+    def solve(v, transposed=False):
+        bands = (upper, diag, lower) if transposed else (lower, diag, upper)
+        return tridiagonal_solve(*bands, v, driver="lapack")
+
+    v = torch.full_like(x, 1 / len(x))
+    estimate = 0.0
+    for _ in range(iterations):
+        y = g * solve(v, transposed=True)
+        estimate = max(estimate, y.abs().sum().item())
+        z = solve(g * torch.sign(y))
+        if z.abs().max() <= z @ v:
+            break
+        v = torch.zeros_like(x)
+        v[z.abs().argmax()] = 1.0
+    return estimate / x.abs().max().item()
+
+
+def test_hagers_estimate_is_a_close_lower_bound_of_the_componentwise_condition_number():
+    for seed in range(6):
+        lower, diag, upper, rhs = parallel_demos.random_system(300, seed)
+        x = tridiagonal_solve(lower, diag, upper, rhs, driver="lapack")
+        dense = torch.diag(diag) + torch.diag(lower, -1) + torch.diag(upper, 1)
+        g = dense.abs() @ x.abs() + rhs.abs()
+        exact = ((torch.linalg.inv(dense).abs() @ g).max() / x.abs().max()).item()
+        estimate = _componentwise_condition(lower, diag, upper, rhs, x)
+        assert exact / 3 <= estimate <= exact * (1 + 1e-10)
+
+
+@pytest.mark.slow
+def test_the_gap_between_split_solve_and_lapack_is_within_the_conditioning_bound():
+    n = 10**6
+    system = parallel_demos.random_system(n)
+    x_lapack = tridiagonal_solve(*system, driver="lapack")
+    x = torch.cat([r["x"] for r in run_on_ranks(parallel_demos.split_solve_worker, 2, n)])
+    kappa = _componentwise_condition(*system, x_lapack)
+    difference = ((x - x_lapack).abs().max() / x_lapack.abs().max()).item()
+    bound = kappa * (_backward_error(*system, x_lapack) + _backward_error(*system, x))
+    assert difference <= bound  # first order: each error is at most kappa times its backward error
+    assert bound > 100 * difference  # the chapter's "with room to spare"
