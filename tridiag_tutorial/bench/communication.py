@@ -1,5 +1,6 @@
-"""The bytes that one distributed solve sends, measured on gloo processes beside the formula of
-:func:`tridiag_tutorial.distributed.solve.communication`::
+"""The bytes that one distributed solve hands to its collectives, counted by
+:func:`~tridiag_tutorial.distributed.solve.record` on gloo processes beside the formula of
+:func:`tridiag_tutorial.distributed.solve.communication` (a count, not a measurement of the wire)::
 
     python -m tridiag_tutorial.bench.communication [--n N] [--world-sizes 2 4]
 

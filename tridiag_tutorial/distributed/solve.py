@@ -84,9 +84,10 @@ the gradient is that of the *sum of all ranks' losses*, and every rank must run 
 (a rank whose loss does not use its piece of ``x`` would leave the others waiting). ``lower[0]``
 on rank 0 and ``upper[-1]`` on the last rank are not entries of ``A``: their gradient is zero.
 
-**Communication.** :func:`communication` gives the bytes each rank sends per solve, exactly (the
-tests compare it with what :func:`record` counts, and ``python -m
-tridiag_tutorial.bench.communication`` with what gloo processes send). At ``n = 1e6``, float64,
+**Communication.** :func:`communication` gives the bytes each rank hands to its collectives per
+solve (the tests compare it with what :func:`record` counts in gloo processes, and so does ``python
+-m tridiag_tutorial.bench.communication``; neither measures the bytes on the wire, which the
+backend's framing adds to). At ``n = 1e6``, float64,
 ``k = 1``, the bytes sent per rank, ``(P - 1)`` times its own tensors' bytes:
 
 ==========================  ============  ============
