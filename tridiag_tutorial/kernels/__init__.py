@@ -71,7 +71,8 @@ def choose_driver(device_type: str, dtype: torch.dtype, batch: int, n: int, cpp:
       which eliminates many pieces of the one system side by side, and hands a system whose
       pieces it cannot vouch for (``tridiag(-1, 2, -1)``, say) to its sequential elimination,
       ``?gtsv``'s arithmetic. One complex system has no such solve, and above
-      ``CPP_ONE_COMPLEX_SYSTEM_MAX_N`` unknowns the rows show no gain over LAPACK: it stays there.
+      ``CPP_ONE_COMPLEX_SYSTEM_MAX_N`` unknowns it stays on LAPACK: a heuristic cut that no
+      committed benchmark row times.
     - **Every other device**: the partitioned kernel for ``n >= PARTITIONED_MIN_N``, the
       sequential one below. The sequential kernel dispatches a fixed number of operations per
       row, each a kernel launch on a GPU; the partitioned one a number that grows like ``log n``
