@@ -256,3 +256,23 @@ def test_grad_applies_the_ops_function_twice_per_call():
     applications = [v[0] for (file, _, name), v in pstats.Stats(profiler).stats.items()
                     if file.endswith("autograd_function.py") and name == "__call__"]
     assert applications == [2 * calls]
+
+
+@needs_cpp
+def test_backward_takes_the_shortcut_only_with_driver_none():
+    """Section 7.3: with driver=None, .backward() runs the C++ shortcut (validation and the op's
+    general autograd.Function skipped); driver="cpp" takes the general path, as grad does."""
+    from tridiag_tutorial import _validation, api
+    from tridiag_tutorial.functions import _TridiagonalSolve
+
+    lower, diag, upper, rhs = make_system(6, (), seed=3)
+    seen = {}
+    for driver in (None, "cpp"):
+        leaf = diag.clone().requires_grad_()
+        with mock.patch.object(api, "validate", wraps=_validation.validate) as validated, \
+                mock.patch.object(_TridiagonalSolve, "forward",
+                                  wraps=_TridiagonalSolve.forward) as general:
+            tridiagonal_solve(lower, leaf, upper, rhs, driver=driver).sum().backward()
+        seen[driver] = (validated.call_count, general.call_count)
+    assert seen[None] == (0, 0)
+    assert seen["cpp"][0] == 1 and seen["cpp"][1] >= 1
