@@ -165,8 +165,13 @@ def test_the_vmap_fallback_warns_on_stderr_only(capfd):
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         torch.func.vmap(no_rule)(torch.ones(3, 2))
-    assert len(caught) == 0
-    assert "batching rule for test_ch05::no_rule" in capfd.readouterr().err
+    err = capfd.readouterr().err
+    python_warnings = [str(w.message) for w in caught]
+    if torch.__version__.startswith("2.13."):  # the release the chapter runs: stderr only
+        assert python_warnings == []
+        assert "batching rule for test_ch05::no_rule" in err
+    else:  # other releases may route it through Python's warnings; it must reach the user somewhere
+        assert any("batching rule for test_ch05::no_rule" in text for text in [err, *python_warnings])
 
 
 def test_opcheck_autograd_registration_passes_a_custom_op_without_backward():
