@@ -264,6 +264,12 @@ def test_a_compiled_call_inside_a_dual_level_raises_on_the_graphs_first_run_only
                     compiled(x)
             else:
                 close(compiled(x), dense(dl, d, du, b))
+    # A first call outside the level does not warm it up: inside, the first run refuses again.
+    torch.compiler.reset()
+    compiled = torch.compile(lambda x: solve(dl, x, du, b), backend="aot_eager", fullgraph=True)
+    close(compiled(d), dense(dl, d, du, b))
+    with fwAD.dual_level(), pytest.raises(NotImplementedError, match="active forward-AD level"):
+        compiled(d)
     torch.compiler.reset()
 
 
