@@ -538,23 +538,12 @@ def test_the_packages_ops_carry_no_cudagraph_unsafe_tag():
         assert torch.Tag.cudagraph_unsafe not in op.tags
 
 
-class CountHostReads(TorchDispatchMode):
-    def __init__(self):
-        super().__init__()
-        self.reads = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func is torch.ops.aten._local_scalar_dense.default:
-            self.reads += 1
-        return func(*args, **(kwargs or {}))
-
-
 def test_the_checked_kernel_reads_back_once_and_a_fallback_once_more():
     singular_block = random_system(70, seed=7)
     singular_block[0][2], singular_block[1][3] = 0.0, 0.0
     reads = {}
     for system in (random_system(100, seed=3), singular_block):
-        with CountHostReads() as counter:
+        with CountReads() as counter:
             fell = partitioned.solve_ex(*system[:3], system[3][:, None])[1]
         reads[fell] = counter.reads
     assert reads == {False: 1, True: 2}
