@@ -165,8 +165,8 @@ def test_export_bakes_the_resolved_driver_into_the_graph():
 
 def test_with_a_gradient_the_fast_path_takes_plain_tensors_to_the_fused_backward():
     # section 13.2: with a gradient, the fast path applies _CppSolve, whose backward is the fused
-    # C++ call, and skips validation; an nn.Parameter passed as is takes the general path, a band
-    # computed from one (a plain tensor) the fast path
+    # C++ call, and skips validation; an nn.Parameter (learnable bands) takes it as a plain tensor
+    # does, passed as is or through a band computed from it
     from unittest import mock
 
     from tridiag_tutorial import api, cpp_available
@@ -177,7 +177,7 @@ def test_with_a_gradient_the_fast_path_takes_plain_tensors_to_the_fused_backward
     dl, d, du, b = make_system(16, seed=4)
     as_is, computed = (lambda t: t), (lambda t: t * 1)
     for leaf, band_of, validations, fused_calls in ((d.clone().requires_grad_(), as_is, 0, 1),
-                                                    (torch.nn.Parameter(d.clone()), as_is, 1, 0),
+                                                    (torch.nn.Parameter(d.clone()), as_is, 0, 1),
                                                     (torch.nn.Parameter(d.clone()), computed, 0, 1)):
         with mock.patch.object(api, "validate", wraps=api.validate) as validate, \
                 mock.patch.object(compiled, "solve_backward", wraps=compiled.solve_backward) as fused:

@@ -936,6 +936,37 @@ def test_fast_path_with_gradients_unwraps_dead_functorch_wrappers(no_python_vali
     assert torch.equal(x.detach(), x_plain.detach()) and torch.equal(g, g_plain)
 
 
+def test_fast_path_takes_parameters_and_no_other_subclass(monkeypatch):
+    """Learnable bands (nn.Parameter, whose __torch_function__ is disabled) take the fast path
+    as plain tensors do, with a gradient (_CppSolve, no Python validation) and without one; a
+    subclass with its own __torch_function__ still takes the general path, which it sees."""
+    require_cpp()
+    lower, diag, upper, rhs = make_system(10, (2,), seed=81)
+    params = [torch.nn.Parameter(t.clone()) for t in (lower, diag, upper, rhs)]
+    with monkeypatch.context() as m:
+        m.setattr(api, "validate", lambda *a, **k: pytest.fail("validated in Python"))
+        x = tridiagonal_solve(*params)
+        assert type(x.grad_fn).__name__ == "_CppSolveBackward"
+        grads = torch.autograd.grad(x.square().sum(), params)
+        with torch.no_grad():
+            assert torch.equal(tridiagonal_solve(*params), x.detach())
+    assert_grads_match_dense(grads, [t.requires_grad_() for t in (lower, diag, upper, rhs)],
+                             lambda x: x.square().sum(), torch.float64)
+
+    seen = []
+
+    class Watched(torch.Tensor):
+        @classmethod
+        def __torch_function__(cls, func, types, args=(), kwargs=None):
+            seen.append(func)
+            return super().__torch_function__(func, types, args, kwargs or {})
+
+    watched = diag.clone().as_subclass(Watched)
+    with torch.no_grad():
+        y = tridiagonal_solve(lower, watched, upper, rhs)
+    assert seen and torch.allclose(y.as_subclass(torch.Tensor), x.detach())
+
+
 def test_fast_path_with_gradients_composes(no_python_validation):
     """functions._CppSolve's backward, differentiated again (gradgradcheck, create_graph=True) and
     vmapped by torch.autograd.functional.jacobian(vectorize=True): the general path's

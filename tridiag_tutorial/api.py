@@ -91,7 +91,14 @@ from ._validation import (
     validate_bands,
     validate_factors,
 )
-from .functions import _CPP_SOLVE_APPLY, _apply, _direct, _register_sharding_for, _unobserved
+from .functions import (
+    _CPP_SOLVE_APPLY,
+    _PLAIN,  # the fast path's tensor types: a plain tensor or a Parameter (no other subclass)
+    _apply,
+    _direct,
+    _register_sharding_for,
+    _unobserved,
+)
 from .kernels import compiled
 
 __all__ = ["tridiagonal_solve", "tridiagonal_lu_factor", "tridiagonal_lu_solve",
@@ -126,14 +133,15 @@ def _solve_on_cpp(lower, diag, upper, rhs):
     ``(None, driver)`` where that does not apply and the general path runs (``driver`` the
     automatic choice when it was made here, else ``None``).
 
-    It applies to plain CPU tensors of one batch shape (no broadcasting) when no transform,
+    It applies to plain CPU tensors or Parameters of one batch shape (no broadcasting) when no transform,
     forward-AD level, mode, trace or compilation is active, and the automatic choice is the C++
     kernel. Without a gradient it calls the op; with one, :class:`_CppSolve`, the op with a
     backward and nothing more. The C++ op checks everything that
     :func:`~tridiag_tutorial._validation.validate` checks before it reads a tensor; where it
     refuses the inputs, the general path validates them again and raises the typed error. At
     n = 100 the general path costs twice the fast one (chapter 13's routes table)."""
-    if not (type(lower) is type(diag) is type(upper) is type(rhs) is torch.Tensor and diag.is_cpu):
+    if not (type(lower) in _PLAIN and type(diag) in _PLAIN and type(upper) in _PLAIN
+            and type(rhs) in _PLAIN and diag.is_cpu):
         return None, None
     if (torch.compiler.is_compiling() or torch.jit.is_tracing() or _compat.forward_ad_active()
             or _compat.transform_active() or _compat.mode_active()):

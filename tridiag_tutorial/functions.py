@@ -41,10 +41,17 @@ def _adjoint(lu, pivots, trans: str):
     return lu.conj().resolve_conj(), pivots, "N"
 
 
+#: The types the direct routes take: a plain tensor, or a Parameter (learnable bands), whose
+#: ``__torch_function__`` is disabled, so no override can see a call on one. Any other subclass
+#: (a DTensor needs the general path's sharding rules) takes the general path.
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+
+
 def _direct(*tensors) -> bool:
     """True when the kernels may be called on these tensors directly, skipping the dispatcher:
     no ``torch.func`` transform is active, no dispatch or function mode is installed, and they
-    are plain tensors with data (no subclass, no FakeTensor or meta tensor, no functorch wrapper).
+    are plain tensors or Parameters with data (no other subclass, no FakeTensor or meta tensor,
+    no functorch wrapper).
     Dispatching a custom op from Python costs more than LAPACK needs for a small system (chapter
     12 measures both). ``None`` entries (absent factors) are skipped."""
     if not _routes.ON.direct_kernel or torch.compiler.is_compiling():  # Dynamo traces the ops
@@ -54,7 +61,7 @@ def _direct(*tensors) -> bool:
     for t in tensors:
         if t is None:
             continue
-        if type(t) is not torch.Tensor or t.is_meta or _compat.is_functorch_tensor(t):
+        if type(t) not in _PLAIN or t.is_meta or _compat.is_functorch_tensor(t):
             return False
     return True
 
