@@ -15,7 +15,8 @@ Two public mechanisms, each with a gap on torch 2.13, and ``solve`` picks betwee
 - the ``autograd.Function`` ``SolveFunction`` (``setup_context``, ``backward``, ``jvp``,
   ``generate_vmap_rule``)
   calls the same op and works with the eager ``torch.func`` transforms and forward-mode AD, except
-  forward over forward, which it gets silently wrong; and Dynamo refuses a Function with a ``jvp``
+  ``linearize`` (which traces it inside a dual level and raises) and forward over forward, which it
+  gets silently wrong; and Dynamo refuses a Function with a ``jvp``
   under ``fullgraph=True``.
 
 So eager code runs the Function and traced code the op. Where neither is right (forward mode
@@ -196,7 +197,8 @@ def _count_forward_level():
 
 
 def solve(dl: torch.Tensor, d: torch.Tensor, du: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """``x = A^{-1} b``. Eager: the Function, which every transform accepts. Traced
+    """``x = A^{-1} b``. Eager: the Function, which the ``torch.func`` transforms accept (but
+    ``linearize`` and forward over forward, refused). Traced
     (``torch.compile``, ``torch.export``): the op, which Dynamo accepts under ``fullgraph=True``;
     it has no forward-mode rule, so forward mode raises there."""
     _check(dl, d, du, b)
