@@ -194,6 +194,40 @@ def check_transpose_solve(lower, main, upper, g, grad):
     assert (grad - torch.linalg.solve(tt.to_dense(lower, main, upper), g)).abs().max() > 1e-6  # A is not symmetric
 
 
+@pytest.mark.parametrize("driver", [None, "lapack"])
+def test_a_solves_node_saves_the_bands_and_x_and_no_factors(driver):
+    """Section 9.7: what the backward needs is the bands and the solution; it eliminates again."""
+    gen = torch.Generator().manual_seed(6)
+    n = 12
+    lower, upper = (-torch.rand(n - 1, dtype=DTYPE, generator=gen).requires_grad_() for _ in range(2))
+    main = (3 + torch.rand(n, dtype=DTYPE, generator=gen)).requires_grad_()
+    rhs = torch.randn(n, 3, dtype=DTYPE, generator=gen).requires_grad_()
+    x = tt.tridiagonal_solve(lower, main, upper, rhs, driver=driver)
+    saved = [t for t in x.grad_fn.saved_tensors if t is not None]
+    assert len(saved) == 4
+    for t, expected in zip(saved, (lower, main, upper, x)):
+        assert torch.equal(t, expected)
+
+
+def test_factoring_before_the_time_loop_gives_the_same_snapshots_and_gradient():
+    """Section 9.10's simulate_factored: one factorisation of A = I - dt/2 L serves every step."""
+    h, x, faces = grid(31)
+    theta = (0.3 * torch.randn(32, dtype=DTYPE, generator=torch.Generator().manual_seed(7))).requires_grad_()
+    off, diag = bands(torch.nn.functional.softplus(theta), h)
+    factors = tt.tridiagonal_lu_factor(-DT / 2 * off, 1 - DT / 2 * diag, -DT / 2 * off)
+    u = tt.tridiagonal_lu_solve(factors, tt.tridiagonal_lu_solve(factors, initial(x)))
+    out = [u]
+    for _ in range(STEPS - 1):
+        u = tt.tridiagonal_lu_solve(factors, tt.tridiag_matmul(DT / 2 * off, 1 + DT / 2 * diag, DT / 2 * off, u))
+        out.append(u)
+    factored = torch.stack(out)
+    every = simulate(torch.nn.functional.softplus(theta), initial(x), h, DT, STEPS)
+    assert (factored - every).abs().max() < 1e-12
+    ga, = torch.autograd.grad(factored.sin().sum(), theta)
+    gb, = torch.autograd.grad(every.sin().sum(), theta)
+    assert (ga - gb).abs().max() < 1e-11 * gb.abs().max()
+
+
 def test_compiled_graphs_hold_every_solve_forward_and_backward():
     """AOTAutograd's forward and backward graphs (what Inductor compiles) call the op's kernel once
     per solve each: the compiled step makes the solves of the eager one."""
