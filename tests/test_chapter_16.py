@@ -290,6 +290,19 @@ def test_the_reference_rows_back_what_section_16_8_reads_from_them():
     assert 0.3 < fell < 0.5  # "about 4 in 10"
 
 
+def test_refinement_cuts_the_float64_fallbacks_of_a_nearly_singular_block_but_not_the_float32_ones():
+    """Section 16.8 quotes the fallbacks of both dtypes: refinement helps float64, costs float32."""
+    tables = _partitioned_reference()
+
+    def fallbacks(variant, family, dtype):
+        return sum(r["fallbacks"] for r in tables[variant] if r["family"] == family and r["dtype"] == dtype)
+
+    block = "nearly_singular_block"
+    assert fallbacks("refine + check", block, "float64") < fallbacks("check only", block, "float64")
+    assert fallbacks("refine + check", block, "float32") > fallbacks("check only", block, "float32")
+    assert fallbacks("refine + check", "zero_diagonal", "float64") > fallbacks("check only", "zero_diagonal", "float64")
+
+
 def test_where_nothing_fell_back_the_refined_kernel_is_at_most_lapacks_error_and_mostly_below():
     # a fallback returns LAPACK's answer (ratio 1): rows without one show the kernel's own errors
     kept = [x for r in _partitioned_reference()["refine + check"]
