@@ -5,6 +5,7 @@ import re
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -111,6 +112,7 @@ def test_the_import_stub_shown_is_the_minimal_form_of_one_with_one_function():
 
 LIBRARY_ALONE = """
 import sys
+from pathlib import Path
 import torch
 torch.ops.load_library(sys.argv[1])
 op = torch.ops.tridiag_tutorial
@@ -156,3 +158,30 @@ def test_the_library_alone_solves_from_the_bands_on_any_driver_and_refuses_the_r
         "cpp True", "lapack True", "sequential True", "partitioned True",
         "lu_factor refused True", "trans refused True", "factors refused True",
         "singular RuntimeError True", "imported False"]
+
+
+def _dynamic_symbols(library, *options):
+    listing = subprocess.run(["nm", "-D", *options, str(library)], capture_output=True, text=True,
+                             check=True).stdout
+    return {line.split()[-1].split("@")[0] for line in listing.splitlines() if line.strip()}
+
+
+def test_libtorch_cpu_defines_the_c_functions_and_libc10_only_what_libstdcxx_has_too():
+    """Section 14.7: libtorch_cpu.so defines every C function of torch that _C calls; libc10.so,
+    though _C is linked against it, defines none of them, only standard-library functions that
+    libstdc++.so.6 defines too."""
+    require_cpp()
+    if shutil.which("nm") is None or shutil.which("ldd") is None:
+        pytest.skip("nm or ldd is not installed")
+    library = compiled.library_path()
+    undefined = _dynamic_symbols(library, "--undefined-only")
+    calls = {s for s in undefined if s.startswith(("aoti_torch_", "torch_"))}
+    torch_lib = Path(torch.__file__).parent / "lib"
+    assert calls and calls <= _dynamic_symbols(torch_lib / "libtorch_cpu.so", "--defined-only")
+    from_c10 = undefined & _dynamic_symbols(torch_lib / "libc10.so", "--defined-only")
+    assert not from_c10 & calls
+    assert all(re.match(r"_ZN?[KVRO]*St", s) for s in from_c10), from_c10
+    located = subprocess.run(["ldd", str(library)], capture_output=True, text=True).stdout
+    libstdcxx = re.search(r"libstdc\+\+\.so\.6 => (/\S+)", located)
+    assert libstdcxx, located
+    assert from_c10 <= _dynamic_symbols(libstdcxx[1], "--defined-only")
