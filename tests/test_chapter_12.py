@@ -76,19 +76,23 @@ def test_as_installed_the_op_is_close_to_jax_then_about_four_tenths():
     assert all(0.35 < over_jax("op", n) < 0.45 for n in SIZES[2:])
 
 
-def fit(impl, mode):
-    """Section 12.4's fit, of the Intel run (the run the chapter leads with)."""
+def fit(impl, mode, run="Intel"):
+    """Section 12.4's fit, of either run."""
+    f = ti if run == "Intel" else t
     ns = np.array(SIZES, dtype=float)
-    ts = np.array([ti(impl, n, mode=mode) for n in SIZES])
+    ts = np.array([f(impl, n, mode=mode) for n in SIZES])
     b, a = np.polyfit(ns, ts, 1, w=1 / ts)
-    return a, b
+    return a, b, np.max(np.abs((a + b * ns) / ts - 1))
 
 
+@pytest.mark.parametrize("run", ["Intel", "AMD"])
 @pytest.mark.parametrize("mode", ["forward", "backward"])
-def test_same_cost_per_unknown_fixed_costs_several_times_apart(mode):
-    (a_op, b_op), (a_jax, b_jax) = fit("lapack", mode), fit("jax", mode)
+def test_same_cost_per_unknown_fixed_costs_several_times_apart(mode, run):
+    """Section 12.4, in both runs: b within 11%, a several times apart, misfits up to a fifth."""
+    (a_op, b_op, m_op), (a_jax, b_jax, m_jax) = fit("lapack", mode, run), fit("jax", mode, run)
     assert abs(b_op / b_jax - 1) < 0.11  # "within 11%"
     assert a_op / a_jax > 3  # "several times over"
+    assert max(m_op, m_jax) <= 0.2  # "up to a fifth"
 
 
 def test_compiling_costs_at_small_n_and_a_few_percent_on_a_batch():
@@ -330,8 +334,8 @@ def test_section_12_3_on_both_machines():
     # the nine matrices on the Intel spread by a ninth at 1e4
     at_1e4 = [over_jax_intel("lapack", 10**4, f) for f in FAMILIES]
     assert abs((max(at_1e4) - min(at_1e4)) / min(at_1e4) - 1 / 9) < 0.01
-    # at n = 100 the op took 1.16 of JAX's time on the Intel (16% slower), 1.09 on the AMD
-    assert (round(over_jax_intel("op", 100), 2), round(over_jax("op", 100), 2)) == (1.16, 1.09)
+    # at n = 100 the op took 1.16 of JAX's time on the Intel (16% slower)
+    assert round(over_jax_intel("op", 100), 2) == 1.16
     # the op close to JAX at n = 100 on both; from 1e4 about two thirds on the Intel, 0.4 on the AMD
     assert 0.9 < over_jax_intel("op", 100) < 1.2 and 0.9 < over_jax("op", 100) < 1.2
     assert all(0.6 < over_jax_intel("op", n) < 0.75 for n in SIZES[2:])
@@ -394,18 +398,6 @@ def test_the_amd_run_kept_medians_only():
     """Section 12.3: "The AMD run kept only medians"."""
     assert all(r["quartiles"] is None for r in ROWS)
     assert all(r["quartiles"] is not None for r in INTEL["rows"])
-
-
-def test_from_100_to_1000_the_kernels_loop_grows_least():
-    """Section 12.3: from n = 100 to 1000 the op's time grows least on both machines (the last
-    line: op +25, lapack +50, JAX +33 µs on the Intel; +16, +18, +23 on the AMD)."""
-    growth = {(run, impl): 1e6 * (f(impl, 1000) - f(impl, 100))
-              for run, f in (("AMD", t), ("Intel", ti)) for impl in ("op", "lapack", "jax")}
-    expected = {("AMD", "op"): 16, ("AMD", "lapack"): 18, ("AMD", "jax"): 23,
-                ("Intel", "op"): 25, ("Intel", "lapack"): 50, ("Intel", "jax"): 33}
-    assert all(abs(growth[key] - us) < 0.6 for key, us in expected.items())
-    for run in ("AMD", "Intel"):
-        assert growth[run, "op"] < min(growth[run, "lapack"], growth[run, "jax"])
 
 
 def test_the_profile_detaches_four_inputs_forward_and_three_bands_backward():
