@@ -12,6 +12,7 @@ to tridiagonal_solve adds its two band gradients as the symmetric formula does, 
 
 import ast
 import json
+import math
 from pathlib import Path
 
 import numpy as np
@@ -85,12 +86,13 @@ CHAPTER = Path(__file__).resolve().parents[1] / "notebooks" / "11_capstone.ipynb
 
 
 def _chapter_kernel():
-    """The chapter's ``_ptsv_numpy`` (and the functions it calls), taken from the notebook's cell."""
+    """The chapter's ``_ptsv_numpy`` (and the functions and the cache it uses), from the notebook's cell."""
     cells = ["".join(c["source"]) for c in json.loads(CHAPTER.read_text())["cells"] if c["cell_type"] == "code"]
     (source,) = [c for c in cells if "def _ptsv_numpy(" in c]
-    defs = [node for node in ast.parse(source).body if isinstance(node, ast.FunctionDef)]
+    defs = [node for node in ast.parse(source).body
+            if isinstance(node, ast.FunctionDef) or isinstance(node, ast.Assign) and isinstance(node.value, ast.Dict)]
     from scipy.linalg import get_lapack_funcs
-    namespace = {"np": np, "torch": torch, "get_lapack_funcs": get_lapack_funcs}
+    namespace = {"math": math, "np": np, "torch": torch, "get_lapack_funcs": get_lapack_funcs}
     exec(compile(ast.Module(body=defs, type_ignores=[]), str(CHAPTER), "exec"), namespace)
     return namespace["_ptsv_numpy"]
 
@@ -128,6 +130,18 @@ def test_the_chapters_kernel_names_a_matrix_that_a_nan_before_it_hides():
     d[0, 1], d[3, 2] = np.nan, -1.0
     with pytest.raises(torch.linalg.LinAlgError, match=r"batch element \(3,\).*pivot 2"):
         ptsv_numpy(d, e, np.ones((4, 5, 1)))
+
+
+def test_the_chapters_kernel_picks_the_routine_by_dtype_after_caching_it():
+    # step 2 caches ?ptsv per dtype: a float32 call after a float64 one must still use sptsv
+    ptsv_numpy = _chapter_kernel()
+    rng = np.random.default_rng(12)
+    d, e, b = 3 + rng.random((2, 6)), 2 * rng.random((2, 5)) - 1, rng.standard_normal((2, 6, 1))
+    x64 = ptsv_numpy(d, e, b)
+    x32 = ptsv_numpy(d.astype(np.float32), e.astype(np.float32), b.astype(np.float32))
+    assert x64.dtype == np.float64 and x32.dtype == np.float32
+    assert np.abs(x64 - _alone(d, e, b)).max() < 1e-14
+    assert np.abs(x32 - x64).max() < 1e-5
 
 
 def test_one_off_diagonal_passed_twice_gets_the_symmetric_gradient():
