@@ -286,6 +286,41 @@ def test_one_more_column_costs_the_split_solve_13_numbers_per_rank_and_the_gathe
             assert added["gather_solve"] == -(-n // world_size)  # the largest piece's rows
 
 
+def fallback_collectives_worker(rank, world_size, system):
+    """The chapter's fallback worker, returning instead the collectives that the rank's record
+    names, in order."""
+    pieces = distributed.split_bands(*system, rank, world_size)
+    with distributed.record() as counted:
+        distributed.split_solve(*pieces)
+    return [what for what, _, _ in counted.collectives], counted.fallbacks
+
+
+@pytest.mark.slow
+def test_a_zero_pivot_in_a_block_falls_back_right_after_step_2s_all_gather():
+    n = 1000
+    system = [t.clone() for t in parallel_demos.random_system(n)]
+    s = n // 2
+    system[1][s], system[0][s], system[2][s - 1] = 0.0, 0.0, 1.5
+    bad = run_on_ranks(fallback_collectives_worker, 2, system)
+    good = run_on_ranks(fallback_collectives_worker, 2, list(parallel_demos.random_system(n)))
+    good_names = good[0][0]  # validation, step 2, two per refinement step, step 5's checks
+    assert all(names == good_names and fallbacks == 0 for names, fallbacks in good)
+    assert len(good_names) == 7
+    for names, fallbacks in bad:  # validation, step 2, then the gather of the whole system
+        assert fallbacks == 1 and names[:2] == good_names[:2] and len(names) == 3
+        assert names[2] not in good_names  # no refinement and no step-5 gather before falling back
+
+
+def test_the_bytes_cross_when_the_largest_piece_has_12_to_13_rows_whatever_k_and_p():
+    for world_size in (2, 3, 4):
+        for k in (1, 10, 100):
+            n = 2 * world_size
+            while (distributed.communication(n, world_size, k=k)["split_solve"]["sent"]
+                   >= distributed.communication(n, world_size, k=k)["gather_solve"]["sent"]):
+                n += 1
+            assert max(distributed.split_sizes(n, world_size)) in (12, 13), (world_size, k, n)
+
+
 def singular_batch_worker(rank, world_size, seconds):
     """The chapter's worker: a batch of 4 systems sharded over the ranks, system 3 singular; the
     rank that raised meets the other at a barrier, the other calls full_tensor() on a group whose
