@@ -223,11 +223,13 @@ def test_the_intel_batch_figures_of_section_15_2():
     assert span((1e9 * s["op", n, b, 1] / (n * b) for n, b in cases), 1) == (6.3, 13.8)
     assert span((s["lapack", n, b, 1] / s["op", n, b, 1] for n, b in cases), 2) == (2.38, 4.65)
     assert span((s["jax", n, b, 1] / s["op", n, b, 1] for n, b in cases), 2) == (1.89, 3.04)
-    # on two vCPUs the Intel's op took 0.55 to 0.83 of its one-thread time, with IQRs up to 21%
+    # on two vCPUs the Intel's op took 0.55 to 0.83 of its one-thread time, with IQRs up to 18%;
+    # at 1,024 x 256 on one thread its IQR was 21%
     assert span((s["op", n, b, 2] / s["op", n, b, 1] for n, b in cases), 2) == (0.55, 0.83)
-    iqr = [(r["quartiles"][1] - r["quartiles"][0]) / r["seconds"] for r in rows.values()
-           if r["impl"] == "op"]
-    assert round(max(iqr), 2) == 0.21
+    iqr = {k: (r["quartiles"][1] - r["quartiles"][0]) / r["seconds"] for k, r in rows.items()
+           if k[0] == "op"}
+    assert round(max(v for k, v in iqr.items() if k[3] == 2), 2) == 0.18
+    assert round(iqr["op", 256, 1024, 1], 2) == 0.21
     # the summary: 4.8 to 13.8 ns per unknown over both machines, 2.4 to 4.65 times faster than
     # lapack, against 18 to 32 for dgtsv (through JAX, in the same runs) on one long system
     amd = batch_seconds()
@@ -313,12 +315,58 @@ def jax_on_one_long_system(run):
 
 
 def test_the_batch_gain_over_one_chain_at_1024_by_256_on_each_cpu():
-    """Section 15.2: at 1,024 x 256 the op took 2.6 to 2.9 times less per unknown than dgtsv on one
-    long system on the AMD (above the vector width's 2), 1.9 to 2.3 on the Intel (about 2): dgtsv
-    timed through JAX in the same run."""
-    for run, expected in ((REF, (2.6, 2.9)), (INTEL, (1.9, 2.3))):
+    """Section 15.2: at 1,024 x 256 (the dominant family) the op took 2.6 and 2.8 times less per
+    unknown than dgtsv on one dominant system of 1e5 and 1e6 on the AMD, 2.1 and 2.2 on the Intel:
+    dgtsv timed through JAX in the same run."""
+    for run, expected in ((REF, [2.6, 2.8]), (INTEL, [2.1, 2.2])):
         op = next(r for r in run["rows"] if r["impl"] == "op" and (r["n"], r["batch"], r["threads"])
                   == (256, 1024, 1) and r["mode"] == "forward" and r["family"] == "dominant"
                   and not r["busy"])
         op_ns = 1e9 * op["seconds"] / (256 * 1024)
-        assert span((g / op_ns for g in jax_on_one_long_system(run)), 1) == expected
+        chain = sorted((r["n"], r["seconds"] / r["n"]) for r in run["rows"] if r["impl"] == "jax"
+                       and not r["batch"] and r["n"] >= 10**5 and r["threads"] == 1 and not r["busy"]
+                       and r["mode"] == "forward" and r["family"] == "dominant")
+        assert [n for n, _ in chain] == [10**5, 10**6]
+        assert [round(1e9 * t / op_ns, 1) for _, t in chain] == expected
+
+
+def test_which_runs_timed_an_older_pieces_kernel():
+    """Section 15.1: the AMD's batch run timed a kernel that computed spikes to the end of each
+    piece and loaded the last tile one value at a time, its one-system run the latter only; the
+    Intel's runs and the accuracy run timed the kernel as installed."""
+    installed = (compiled.PIECES_SPIKES, compiled.PIECES_LAST_TILE)
+
+    def build(m):
+        return m["pieces_spikes"], m["pieces_last_tile"]
+
+    assert build(REF["machine"]) == ("computed to the end of each piece", "loaded one value at a time")
+    assert build(REF["one_system"]["machine"]) == (installed[0], "loaded one value at a time")
+    for m in (INTEL["machine"], INTEL["one_system"]["machine"], REF["accuracy"]["machine"]):
+        assert build(m) == installed
+
+
+def test_just_above_the_threshold():
+    """Section 15.4: at n = 1024, the smallest size cut by default, the Poisson matrix stays in
+    pieces with a median error over 2 times dgtsv's; at 2048 its error is below dgtsv's; the
+    random and dominant families stay within 3 times dgtsv's at both sizes."""
+    require_cpp()
+    from tridiag_tutorial.bench.accuracy import forward_error, make, reference
+
+    def ratios(family, n):
+        out = []
+        for seed in range(20):
+            system = make(family, n, np.float64, seed)
+            x, handed_back = compiled.solve_ex(*(torch.from_numpy(t) for t in system))
+            assert handed_back == 0
+            x_star = reference(*system)
+            out.append(forward_error(x.numpy(), x_star) / forward_error(DGTSV(*system)[3], x_star))
+        return np.array(out)
+
+    assert compiled.PIECES_MIN_N == 1024
+    poisson = ratios("poisson", 1024)
+    assert np.median(poisson) > 2 and poisson.max() > 5
+    assert ratios("poisson", 2048).max() < 1
+    for family in ("random", "dominant"):
+        for n in (1024, 2048):
+            r = ratios(family, n)
+            assert np.median(r) == pytest.approx(1, abs=0.05) and r.max() < 3
