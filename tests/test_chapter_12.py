@@ -448,3 +448,26 @@ def test_the_op_skips_the_binding(monkeypatch):
     assert [f for f in seen if getattr(f, "__module__", "").startswith("tridiag_tutorial")] == []
 
 
+
+
+def test_section_12_3_in_short():
+    """Section 12.3's summary: forward, the op's C++ kernel took 0.8 to 1.2 times JAX's time up to
+    n = 1000 and 0.4 to 0.7 beyond, on both machines; on LAPACK, over four times at n = 100."""
+    up_to_1000 = [f("op", n) / f("jax", n) for f in (t, ti) for n in SIZES[:2]]
+    beyond = [f("op", n) / f("jax", n) for f in (t, ti) for n in SIZES[2:]]
+    assert (round(min(up_to_1000), 1), round(max(up_to_1000), 1)) == (0.8, 1.2)
+    assert (round(min(beyond), 1), round(max(beyond), 1)) == (0.4, 0.7)
+    assert min(f("lapack", 100) / f("jax", 100) for f in (t, ti)) > 4
+
+
+def test_what_jaxs_second_thread_added_on_the_amd():
+    """Section 12.6: JAX's second thread added 23 and 45 µs at n = 1000 and 1e4, and from 0 to
+    167 µs over n, so no fixed cost per call."""
+    extra = [round((t("jax", n, threads=2) - t("jax", n)) * 1e6) for n in SIZES]
+    assert extra[1:3] == [23, 45] and (min(extra), max(extra)) == (0, 167)
+
+
+def test_a_busy_core_at_a_million_on_one_thread():
+    """Section 12.6: at n = 1e6 on one thread, all three ran 6 to 14% slower with a core busy."""
+    slower = [t(impl, 10**6, busy=True) / t(impl, 10**6) - 1 for impl in ("op", "lapack", "jax")]
+    assert (round(min(slower), 2), round(max(slower), 2)) == (0.06, 0.14)
