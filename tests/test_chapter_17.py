@@ -2,6 +2,10 @@
 recomputed with the package, so that the chapter shows values and not asserts. The workers that a
 spawned rank runs are defined here, at the top level of this module, which the ranks import."""
 
+import json
+import re
+from pathlib import Path
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -412,4 +416,37 @@ def test_the_gap_between_split_solve_and_lapack_is_within_the_conditioning_bound
     difference = ((x - x_lapack).abs().max() / x_lapack.abs().max()).item()
     bound = kappa * (_backward_error(*system, x_lapack) + _backward_error(*system, x))
     assert difference <= bound  # first order: each error is at most kappa times its backward error
-    assert bound > 100 * difference  # the chapter's "with room to spare"
+    assert bound > 100 * difference  # the chapter's "some 600 times" the measured difference
+
+
+def test_the_timing_prose_quotes_the_stored_timing_output():
+    """Section 17.5's timing cell is not compared by nbval (its output varies), so the numbers the
+    next cell's prose quotes are checked here against the output stored in the notebook."""
+    cells = json.loads((Path(__file__).resolve().parents[1] / "notebooks" / "17_distributed.ipynb")
+                       .read_text())["cells"]
+    index = next(i for i, c in enumerate(cells)
+                 if "parallel_demos.timing_worker, 2, n, rounds" in "".join(c["source"]))
+    out = "".join("".join(o.get("text", "")) for o in cells[index]["outputs"])
+    prose = " ".join("".join(cells[index + 1]["source"]).split())
+
+    def median(route):
+        return float(re.search(rf"^{re.escape(route)}\s+([\d.]+) ms", out, re.M)[1])
+
+    lapack, plain, refined, gather = (median(r) for r in (
+        "LAPACK, whole system", "split_solve_no_refinement", "split_solve", "gather_solve"))
+    ratios = sorted((plain / lapack, gather / lapack))
+    assert f"took {ratios[0]:.1f} to {ratios[1]:.1f} times" in prose
+    assert f"({plain:.1f} and {gather:.1f} ms against {lapack:.1f})" in prose
+    assert f"The gather**, {gather:.0f}:" in prose and f"without refinement**, {plain:.0f}:" in prose
+    assert f"brings it to {refined:.0f}," in prose
+    block = out.split("split_solve_no_refinement", 1)[1].split("split_solve ", 1)[0]
+    ranks = [float(v) for v in re.search(r"1\. block factor and solve\s+([\d.]+) ms.*\|\s+([\d.]+) ms",
+                                         block).groups()]
+    assert f"{min(ranks):.0f} to {max(ranks):.0f} for its block" in prose
+    assert f"{min(ranks) / lapack:.1f} to {max(ranks) / lapack:.1f} times `?gtsv`" in prose
+    diff = re.search(r"per round:\s+(-?[\d.]+) ms \((-?[\d.]+) to (-?[\d.]+)\); "
+                     r"split_solve_no_refinement faster in (\d+) of (\d+) rounds", out).groups()
+    assert f"${diff[0]}$ ms in the median (quartiles ${diff[1]}$ to ${diff[2]}$)" in prose
+    assert f"faster in {diff[3]} of {diff[4]} rounds" in prose
+    alone = re.findall(r"^LAPACK, parent process alone.*?\s([\d.]+) ms", out, re.M)
+    assert f"{alone[0]} against {alone[1]}" in prose
