@@ -224,7 +224,8 @@ def test_only_the_poisson_matrix_loses_the_kernels_gain():
 def test_the_chapter_reads_no_file_of_the_repository():
     code = "\n".join("".join(c["source"]) for c in json.loads(CHAPTER.read_text())["cells"]
                      if c["cell_type"] == "code")
-    code = code.replace('open("/proc/cpuinfo")', "")  # the CPU's model name, not a file of the repository
+    for machine_file in ('open("/proc/cpuinfo")', 'open("/proc/stat")'):  # the CPU model, steal time
+        code = code.replace(machine_file, "")  # files of the machine, not of the repository
     assert "data/" not in code and "Path(" not in code and not re.search(r"(?<![\w.])open\(", code)
 
 
@@ -452,11 +453,13 @@ def test_the_op_skips_the_binding(monkeypatch):
 
 def test_section_12_3_in_short():
     """Section 12.3's summary: forward, the op's C++ kernel took 0.8 to 1.2 times JAX's time up to
-    n = 1000 and 0.4 to 0.7 beyond, on both machines; on LAPACK, over four times at n = 100."""
+    n = 1000 on both machines, and beyond 0.6 to 0.7 on the Intel (the installed kernel) and 0.4 on
+    the AMD (an older one); on LAPACK, over four times at n = 100."""
     up_to_1000 = [f("op", n) / f("jax", n) for f in (t, ti) for n in SIZES[:2]]
-    beyond = [f("op", n) / f("jax", n) for f in (t, ti) for n in SIZES[2:]]
     assert (round(min(up_to_1000), 1), round(max(up_to_1000), 1)) == (0.8, 1.2)
-    assert (round(min(beyond), 1), round(max(beyond), 1)) == (0.4, 0.7)
+    for f, expected in ((ti, (0.6, 0.7)), (t, (0.4, 0.4))):
+        beyond = [f("op", n) / f("jax", n) for n in SIZES[2:]]
+        assert (round(min(beyond), 1), round(max(beyond), 1)) == expected
     assert min(f("lapack", 100) / f("jax", 100) for f in (t, ti)) > 4
 
 
