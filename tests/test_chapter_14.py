@@ -28,15 +28,20 @@ def batch(seed=0, n=50, shape=(3, 7), k=2):
     return lower, diag, upper, torch.randn(*shape, n, k, generator=g, dtype=torch.float64)
 
 
+def _dynamic_symbols(library, *options):
+    """The names of the dynamic symbols `nm -D *options` lists for a shared library."""
+    listing = subprocess.run(["nm", "-D", *options, str(library)], capture_output=True, text=True,
+                             check=True).stdout
+    return {line.split()[-1].split("@")[0] for line in listing.splitlines() if line.strip()}
+
+
 def test_the_shipped_library_needs_only_c_functions_of_torch():
     """Section 14.7: tridiag_tutorial._C needs no C++ symbol of libtorch, registers its ops through
     the stable ABI's C functions, and needs of CPython only what its module stub calls."""
     require_cpp()
     if shutil.which("nm") is None:
         pytest.skip("nm is not installed")
-    listing = subprocess.run(["nm", "-D", "-C", "--undefined-only", compiled.library_path()],
-                             capture_output=True, text=True, check=True).stdout
-    names = [line.split()[-1].split("@")[0] for line in listing.splitlines() if line.strip()]
+    names = _dynamic_symbols(compiled.library_path(), "-C", "--undefined-only")
     assert not [s for s in names if LIBTORCH_CPP.search(s)]
     assert any(s.startswith("aoti_torch_library_def") for s in names)
     assert "torch_call_dispatcher" in names
@@ -158,12 +163,6 @@ def test_the_library_alone_solves_from_the_bands_on_any_driver_and_refuses_the_r
         "cpp True", "lapack True", "sequential True", "partitioned True",
         "lu_factor refused True", "trans refused True", "factors refused True",
         "singular RuntimeError True", "imported False"]
-
-
-def _dynamic_symbols(library, *options):
-    listing = subprocess.run(["nm", "-D", *options, str(library)], capture_output=True, text=True,
-                             check=True).stdout
-    return {line.split()[-1].split("@")[0] for line in listing.splitlines() if line.strip()}
 
 
 def test_libtorch_cpu_defines_the_c_functions_and_libc10_only_what_libstdcxx_has_too():
