@@ -1,7 +1,7 @@
 """Chapter 7 (torch.func and forward mode): the claims the chapter makes, recomputed.
 
 The chapter prints its results and nbval compares them; these tests check the claims behind them
-on other inputs, and those the chapter reads from an output it does not compare (the profiler's).
+on other inputs.
 """
 
 import gc
@@ -150,7 +150,8 @@ def relative(got, want):
 
 @torch_trap
 def test_dense_forward_over_forward_wrong_only_for_linalg_solve():
-    """linalg.solve's JVP reuses non-differentiable LU factors; inv and lu_factor + lu_solve do not."""
+    """linalg.solve's JVP reuses non-differentiable LU factors; inv and lu_factor + lu_solve do not.
+    hessian (forward over reverse) never differentiates that JVP, so it is right on all three."""
     lower, diag, upper, rhs = make_system(7, seed=2)
     target = torch.randn(7, dtype=F64, generator=torch.Generator().manual_seed(3))
 
@@ -168,6 +169,8 @@ def test_dense_forward_over_forward_wrong_only_for_linalg_solve():
         for nesting in (lambda g: jacfwd(jacfwd(g)), lambda g: jacrev(jacfwd(g))):
             error = relative(nesting(f)(diag), H)
             assert (error > 0.01) if name == "linalg.solve" else (error < 1e-10), (name, error)
+        # forward over reverse only applies the tangent rule: right on every route
+        assert relative(hessian(f)(diag), H_central) < 1e-6, name
 
 
 def test_the_op_refuses_forward_over_forward():
@@ -234,45 +237,3 @@ def test_complex_gradient_uses_the_conjugate_transpose():
     lower, diag, upper, rhs = (t.detach() for t in args)
     func_g = grad(lambda b: tridiagonal_solve(lower, diag, upper, b).abs().square().sum())(rhs)
     torch.testing.assert_close(func_g, g_rhs)
-
-
-def test_grad_applies_the_ops_function_twice_per_call():
-    """Section 7.3: one grad call of a loss through the op applies its autograd.Function twice
-    (the solve, and the backward's transposed solve), each through torch.func's handling."""
-    import cProfile
-    import pstats
-
-    n = 7
-    g = torch.Generator().manual_seed(11)
-    lower, upper = (torch.randn(n - 1, generator=g, dtype=F64) for _ in range(2))
-    diag, b, t = 4 + torch.randn(n, generator=g, dtype=F64), torch.randn(n, dtype=F64), torch.randn(n, dtype=F64)
-
-    def loss(d):
-        return 0.5 * (tridiagonal_solve(lower, d, upper, b) - t).square().sum()
-
-    calls = 13
-    profiler = cProfile.Profile()
-    profiler.runcall(lambda: [grad(loss)(diag) for _ in range(calls)])
-    applications = [v[0] for (file, _, name), v in pstats.Stats(profiler).stats.items()
-                    if file.endswith("autograd_function.py") and name == "__call__"]
-    assert applications == [2 * calls]
-
-
-@needs_cpp
-def test_backward_takes_the_shortcut_only_with_driver_none():
-    """Section 7.3: with driver=None, .backward() runs the C++ shortcut (validation and the op's
-    general autograd.Function skipped); driver="cpp" takes the general path, as grad does."""
-    from tridiag_tutorial import _validation, api
-    from tridiag_tutorial.functions import _TridiagonalSolve
-
-    lower, diag, upper, rhs = make_system(6, (), seed=3)
-    seen = {}
-    for driver in (None, "cpp"):
-        leaf = diag.clone().requires_grad_()
-        with mock.patch.object(api, "validate", wraps=_validation.validate) as validated, \
-                mock.patch.object(_TridiagonalSolve, "forward",
-                                  wraps=_TridiagonalSolve.forward) as general:
-            tridiagonal_solve(lower, leaf, upper, rhs, driver=driver).sum().backward()
-        seen[driver] = (validated.call_count, general.call_count)
-    assert seen[None] == (0, 0)
-    assert seen["cpp"][0] == 1 and seen["cpp"][1] >= 1
