@@ -45,7 +45,8 @@ def test_opcheck_passes():
 
 def test_gradcheck_reverse_and_forward():
     args = [t.requires_grad_() for t in system(5)]
-    assert torch.autograd.gradcheck(solve, args, check_forward_ad=True, check_batched_grad=True)
+    assert torch.autograd.gradcheck(solve, args, check_forward_ad=True, check_batched_grad=True,
+                                    check_batched_forward_grad=True)
     assert torch.autograd.gradgradcheck(solve, args, check_fwd_over_rev=True)
 
 
@@ -74,6 +75,30 @@ def test_transforms_match_the_dense_reference():
     with fwAD.dual_level():
         tangent = fwAD.unpack_dual(solve(dl, fwAD.make_dual(d, torch.ones_like(d)), du, b)).tangent
     close(tangent, jacrev(of_d(dense))(d).sum(1))
+
+
+def test_reverse_derivative_with_respect_to_an_inner_jvps_tangent():
+    """The tangent of jvp is linear in the tangent: its Jacobian there is the solve's Jacobian."""
+    dl, d, du, b = system(6)
+    u = torch.linspace(-1, 1, d.numel(), dtype=F64)
+    tangent_of = lambda f: (lambda t: jvp(lambda x: f(dl, x, du, b), (d,), (t,))[1])
+    close(jacrev(tangent_of(solve))(u), jacrev(tangent_of(dense))(u))
+
+
+@pytest.mark.parametrize("wrt", ["d", "b"])
+def test_forward_derivative_with_respect_to_an_inner_jvps_tangent_raises(wrt):
+    """jacfwd of a jvp's tangent calls the Function's jvp once, and torch runs that jvp with the
+    outer forward level off: the answer would be silently wrong (0.085 and 0.23 here), so solve
+    must refuse, naming the reverse-mode remedy."""
+    dl, d, du, b = system(6)
+    u = torch.linspace(-1, 1, d.numel(), dtype=F64)
+    if wrt == "d":
+        tangent_of = lambda f: (lambda t: jvp(lambda x: f(dl, x, du, b), (d,), (t,))[1])
+    else:
+        tangent_of = lambda f: (lambda t: jvp(lambda x: f(dl, d, du, x), (b,), (t,))[1])
+    with pytest.raises(NotImplementedError, match=r"jacfwd of a jvp's tangent.*jacrev"):
+        jacfwd(tangent_of(solve))(u)
+    close(jacrev(tangent_of(solve))(u), jacrev(tangent_of(dense))(u))  # the remedy is right
 
 
 def test_forward_over_forward_raises():
@@ -301,3 +326,21 @@ def test_torch_export_traces_solve_to_the_op():
     calls = [node.target for node in exported.graph.nodes if node.op == "call_function"]
     assert calls == [torch.ops.tridiag_minimal.solve.default]
     close(exported.module()(dl, d, du, b), dense(dl, d, du, b))
+
+
+def test_the_private_torch_names_it_uses_are_the_two_it_names():
+    """The module is built on public APIs except two private reads it documents: the text of
+    torch's unpack_dual error and functorch's stack of active transforms."""
+    import ast
+    from pathlib import Path
+
+    tree = ast.parse(Path(minimal_op.__file__).read_text())
+    private = sorted({f"{node.module}.{alias.name}" for node in ast.walk(tree)
+                      if isinstance(node, ast.ImportFrom) and node.module
+                      and node.module.startswith("torch") for alias in node.names
+                      if any(part.startswith("_") for part in node.module.split("."))})
+    assert private == ["torch._C._functorch.TransformType",
+                       "torch._functorch.pyfunctorch.retrieve_all_functorch_interpreters"]
+    attributes = {node.attr for node in ast.walk(tree) if isinstance(node, ast.Attribute)
+                  and node.attr.startswith("_") and not node.attr.startswith("__")}
+    assert attributes <= {"_solve_op", "_calls"} | {"_fw_primal"}, attributes

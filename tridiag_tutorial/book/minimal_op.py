@@ -1,5 +1,6 @@
 r"""Chapter 8: an operator you can copy, a tridiagonal solve on public torch APIs (it also reads
-the text of one torch error message, in ``_refuse_tangents``).
+the text of one torch error message, in ``_refuse_tangents``, and functorch's private stack of
+active transforms, in ``_count_forward_level``).
 
 ``solve(dl, d, du, b)`` returns ``x`` with ``A x = b``, where ``A`` has the sub-diagonal ``dl``
 ``(..., n-1)``, the diagonal ``d`` ``(..., n)`` and the super-diagonal ``du`` ``(..., n-1)``, and
@@ -32,6 +33,8 @@ import threading
 import torch
 import torch.autograd.forward_ad as fwAD
 from scipy.linalg.lapack import get_lapack_funcs
+from torch._C._functorch import TransformType  # private, as is the next: _count_forward_level
+from torch._functorch.pyfunctorch import retrieve_all_functorch_interpreters
 
 # [/book: minimal-imports]
 
@@ -186,14 +189,20 @@ _calls = threading.local()  # forward levels seen during one call of solve, per 
 
 
 def _count_forward_level():
-    """torch skips an outer forward level inside a Function's ``jvp``: refuse a second level."""
+    """torch skips an outer forward level inside a Function's ``jvp``: refuse a second level, seen
+    as a second ``jvp`` call within one call of ``solve``, or as a second ``torch.func`` forward
+    transform around this one (``jacfwd`` of an inner ``jvp``'s tangent calls ``jvp`` once). torch
+    has no public API for the transforms that are active: the second test reads functorch's
+    private interpreter stack."""
     if getattr(_calls, "levels", None) is None:  # SolveFunction applied without solve: not counted
         return
     _calls.levels += 1
-    if _calls.levels > 1:
+    forward_transforms = sum(i.key() == TransformType.Jvp for i in retrieve_all_functorch_interpreters())
+    if _calls.levels > 1 or forward_transforms > 1:
         raise NotImplementedError(
-            "tridiag_minimal.solve: forward over forward (jvp of jvp, jacfwd of jacfwd) is not "
-            "supported; take the outer derivative in reverse mode: jacrev(jacfwd(f)), or hessian(f)")
+            "tridiag_minimal.solve: forward over forward (jvp of jvp, jacfwd of jacfwd, jacfwd of a "
+            "jvp's tangent) is not supported; take the outer derivative in reverse mode: "
+            "jacrev(jacfwd(f)), or hessian(f)")
 
 
 def solve(dl: torch.Tensor, d: torch.Tensor, du: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
