@@ -250,6 +250,11 @@ def test_a_function_with_jvp_does_not_compile_fullgraph_when_gradients_are_neede
     plain = [t.detach() for t in inputs]
     torch.testing.assert_close(torch.compile(with_jvp, fullgraph=True, backend="aot_eager")(*plain),
                                with_jvp(*plain))
+    torch.compiler.reset()
+    with torch.no_grad():  # inputs requiring grad, but grad mode off: nothing to record, so it compiles
+        value = torch.compile(with_jvp, fullgraph=True, backend="aot_eager")(*inputs)
+    torch.compiler.reset()
+    torch.testing.assert_close(value, with_jvp(*plain))
     with pytest.raises(NotImplementedError):
         torch.func.jvp(SolveNoJvp.apply, tuple(plain), tuple(torch.ones_like(t) for t in plain))
 
