@@ -562,7 +562,7 @@ def test_the_checked_kernel_reads_back_once_and_a_fallback_once_more():
     assert reads == {False: 1, True: 2}
 
 
-def test_the_switch_rule_the_chapter_quotes_is_the_packages():
+def test_the_switch_rule_is_a_judgement_from_operation_counts_not_a_gpu_measurement():
     doc = " ".join(kernels.choose_driver.__doc__.split())
     assert ("a judgement from the operation counts for few systems, where launches dominate, "
             "not a GPU measurement") in doc
@@ -573,6 +573,14 @@ def test_the_checked_kernel_writes_about_ten_times_the_unchecked_bytes():
         system = random_system(n, batch=(systems,), seed=n)
         ratio = _bytes(partitioned.solve, *system) / _bytes(partitioned.solve_unchecked, *system)
         assert 8.5 < ratio < 11.5
+
+
+def test_refinement_and_the_check_write_90_percent_of_the_partitioned_bytes():
+    """Sections 16.6 and 16.10: the share of the checked kernel's bytes that the unchecked one does not write."""
+    for systems, n in [(1024, 16), (1024, 64), (1, 1024)]:
+        system = random_system(n, batch=(systems,), seed=n)
+        share = 1 - _bytes(partitioned.solve_unchecked, *system) / _bytes(partitioned.solve, *system)
+        assert f"{share:.0%}" == "90%"
 
 
 def test_a_device_other_than_mps_gets_the_partitioned_kernel_whatever_its_float64_support():
