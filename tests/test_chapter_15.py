@@ -370,3 +370,38 @@ def test_just_above_the_threshold():
         for n in (1024, 2048):
             r = ratios(family, n)
             assert np.median(r) == pytest.approx(1, abs=0.05) and r.max() < 3
+
+
+def test_each_reason_to_hand_back_hands_the_system_back():
+    """Section 15.3's cases: a system that LAPACK solves without a zero pivot is handed back where
+    a piece starts with a zero column, where a value is not finite, and where a whole piece is a
+    nearly singular tridiag(-1, d, -1); left as drawn, it stays in pieces."""
+    require_cpp()
+    n, m, s = 4096, 256, 5 * 256  # 16 pieces of 256 rows at n = 4096; piece 5 starts at row s
+
+    def handed_back(edit):
+        g = torch.Generator().manual_seed(4)
+        lower = torch.randn(n - 1, generator=g, dtype=torch.float64)
+        sign = torch.where(torch.rand(n, generator=g) < 0.5, -1.0, 1.0).to(torch.float64)
+        diag = sign * (1.5 + torch.randn(n, generator=g, dtype=torch.float64).abs())
+        upper = torch.randn(n - 1, generator=g, dtype=torch.float64)
+        rhs = torch.randn(n, 1, generator=g, dtype=torch.float64)
+        edit(lower, diag, upper, rhs)
+        _, info, back = torch.ops.tridiag_tutorial.cpp_solve_ex.default(lower, diag, upper, rhs, 1024)
+        assert int(info.max()) < 0  # no system reported singular
+        assert DGTSV(*(t.numpy() for t in (lower, diag, upper, rhs)))[4] == 0
+        return int(back)
+
+    def zero_column(lower, diag, upper, rhs):
+        diag[s] = lower[s] = 0.0
+
+    def infinite(lower, diag, upper, rhs):
+        rhs[s + 7, 0] = float("inf")
+
+    def nearly_singular(lower, diag, upper, rhs):
+        lower[s:s + m - 1] = upper[s:s + m - 1] = -1.0
+        diag[s:s + m] = 2 * np.cos(np.pi / (m + 1))
+
+    assert handed_back(lambda *system: None) == 0
+    for edit in (zero_column, infinite, nearly_singular):
+        assert handed_back(edit) == 1, edit.__name__
