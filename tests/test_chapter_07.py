@@ -237,3 +237,24 @@ def test_complex_gradient_uses_the_conjugate_transpose():
     lower, diag, upper, rhs = (t.detach() for t in args)
     func_g = grad(lambda b: tridiagonal_solve(lower, diag, upper, b).abs().square().sum())(rhs)
     torch.testing.assert_close(func_g, g_rhs)
+
+
+@needs_cpp
+def test_only_autograd_with_driver_none_takes_the_cpp_fast_path():
+    """The chapter's contrast: driver=None without a transform takes the fast path (_CppSolve);
+    driver='cpp' and every torch.func transform take the general path."""
+    import tridiag_tutorial.api as api
+
+    lower, diag, upper, rhs = make_system(8, seed=3)
+    loss = lambda d, **kw: tridiagonal_solve(lower, d, upper, rhs, **kw).square().sum()  # noqa: E731
+
+    def fast_calls(fn):
+        with mock.patch.object(api, "_CPP_SOLVE_APPLY", wraps=api._CPP_SOLVE_APPLY) as counted:
+            fn()
+        return counted.call_count
+
+    leaf = diag.clone().requires_grad_()
+    assert fast_calls(lambda: torch.autograd.grad(loss(leaf), leaf)) == 1
+    assert fast_calls(lambda: torch.autograd.grad(loss(leaf, driver="cpp"), leaf)) == 0
+    assert fast_calls(lambda: grad(loss)(diag)) == 0
+    assert fast_calls(lambda: vmap(grad(loss))(diag.expand(3, -1).clone())) == 0
