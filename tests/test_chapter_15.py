@@ -405,3 +405,51 @@ def test_each_reason_to_hand_back_hands_the_system_back():
     assert handed_back(lambda *system: None) == 0
     for edit in (zero_column, infinite, nearly_singular):
         assert handed_back(edit) == 1, edit.__name__
+
+
+def lanes_batch(systems=32, n=200, seed=7):
+    """A float64 batch for the lanes probe: a diagonal of random sign, some of it small, so that
+    both of the kernel's pivoting choices occur."""
+    g = torch.Generator().manual_seed(seed)
+    lower = torch.randn(systems, n - 1, generator=g, dtype=torch.float64)
+    sign = torch.where(torch.rand(systems, n, generator=g) < 0.5, -1.0, 1.0).to(torch.float64)
+    diag = sign * (0.3 + torch.randn(systems, n, generator=g, dtype=torch.float64).abs())
+    upper = torch.randn(systems, n - 1, generator=g, dtype=torch.float64)
+    rhs = torch.randn(systems, n, generator=g, dtype=torch.float64)
+    return lower, diag, upper, rhs
+
+
+@pytest.mark.parametrize("width", [1, 2, 4, 8, 16])
+def test_the_lanes_probe_solves_as_dgtsv_does(width):
+    """Section 15.2: the batched kernel built at each block width W outside torch returns, for
+    every system of a batch, dgtsv's answer to round-off."""
+    import shutil
+
+    from tridiag_tutorial.bench import lanes
+
+    if shutil.which("g++") is None:
+        pytest.skip("the lanes probe needs g++")
+    system = lanes_batch()
+    lower, diag, upper, rhs = (t.numpy() for t in system)
+    assert (np.abs(lower) > np.abs(diag[:, :-1])).any()  # rows where dgtsv swaps
+    expected = np.stack([DGTSV(lower[s], diag[s], upper[s], rhs[s])[3] for s in range(len(diag))])
+    result = lanes.probe(system, width, repeats=3)
+    assert result.flagged == 0
+    assert result.seconds > 0
+    scale = np.abs(expected).max(axis=1, keepdims=True)
+    np.testing.assert_allclose(result.x / scale, expected / scale, rtol=0, atol=1e-12)
+
+
+def test_the_lanes_probe_needs_g_plus_plus(monkeypatch):
+    """Without g++ on PATH, building the probe raises a RuntimeError that names g++."""
+    import shutil
+
+    from tridiag_tutorial.bench import lanes
+
+    lanes.build.cache_clear()
+    monkeypatch.setattr(shutil, "which", lambda name, *args, **kwargs: None)
+    try:
+        with pytest.raises(RuntimeError, match=r"g\+\+"):
+            lanes.probe(lanes_batch(systems=8, n=10), 8)
+    finally:
+        lanes.build.cache_clear()
