@@ -3,7 +3,9 @@
 no ``torch.func``, no second derivative, CPU only)."""
 
 import pytest
+import scipy.linalg
 import torch
+from torch._dynamo.utils import counters
 from torch.autograd.gradcheck import GradcheckError
 
 import tridiag_tutorial as tt
@@ -166,7 +168,7 @@ def test_cpu_only():
 @pytest.mark.slow
 def test_the_break_count_follows_the_code_path_and_plain_numpy_is_traced():
     """A vector rhs adds two one-operation graphs (the wrapper's unsqueeze and squeeze) to the
-    matrix rhs's four graphs, whose contents the chapter lists; the breaks are at SciPy's wrapper or a branch, never at a NumPy reshape."""
+    matrix rhs's four graphs; the breaks are at SciPy's wrapper or a branch, never at a NumPy reshape."""
     lower, diag, upper, rhs = make_system(5, seed=50)
 
     def loss(*a):
@@ -193,6 +195,68 @@ def test_the_break_count_follows_the_code_path_and_plain_numpy_is_traced():
     assert all(size > 0 for size in vector_sizes + matrix_sizes)
     stops = {reason.user_stack[-1].filename.split("/")[-1] for reason in vector.break_reasons}
     assert stops <= {"blas.py", "lapack.py"}
+
+
+@pytest.mark.slow
+def test_graphs_end_at_a_break_or_a_return_and_the_lapack_call_breaks_where_no_graph_ends():
+    """Section 4.5(a): explain's break_reasons are the graphs that end at a break, fewer than
+    graph_break_count; Dynamo's counter also holds the break at SciPy's compiled routine."""
+    lower, diag, upper, rhs = make_system(5, seed=55)
+
+    def loss(*a):
+        return tridiagonal_solve_function(*a).pow(2).sum()
+
+    torch._dynamo.reset()
+    counters.clear()
+    explanation = torch._dynamo.explain(loss)(lower, diag, upper, rhs)
+    at_break = [graph.compile_subgraph_reason.graph_break for graph in explanation.graphs]
+    assert 0 < sum(at_break) == len(explanation.break_reasons) < explanation.graph_break_count
+    assert not at_break[-1]
+    assert any("`fortran`" in message for message in counters["graph_break"])
+    assert not any("fortran" in reason.reason for reason in explanation.break_reasons)
+    assert type(scipy.linalg.lapack.dgtsv).__name__ == "fortran"
+    torch._dynamo.reset()
+
+
+class _Double(torch.autograd.Function):
+    @staticmethod
+    def forward(t):
+        return t * 2
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        pass
+
+    @staticmethod
+    def backward(ctx, g):
+        return 2 * g
+
+
+@pytest.mark.slow
+def test_a_traceable_function_is_one_higher_order_operation_with_forward_and_backward():
+    torch._dynamo.reset()
+    explanation = torch._dynamo.explain(lambda t: _Double.apply(t).sum())(torch.randn(3, requires_grad=True))
+    torch._dynamo.reset()
+    (graph,) = explanation.graphs
+    targets = [getattr(node.target, "__name__", str(node.target)) for node in graph.graph.nodes
+               if node.op == "call_function"]
+    assert targets.count("autograd_function_apply") == 1 and "mul" not in targets
+    assert sorted(name.split("_")[0] for name, _ in graph.named_children()) == ["bwd", "fwd"]
+
+
+def test_generate_vmap_rule_runs_forward_on_batched_tensors_that_numpy_cannot_read():
+    class Generated(_Double):
+        generate_vmap_rule = True
+
+    class GeneratedNumpy(Generated):
+        @staticmethod
+        def forward(t):
+            return torch.from_numpy(t.detach().numpy() * 2)
+
+    batch = torch.randn(3, 4)
+    assert_close(torch.func.vmap(Generated.apply)(batch), 2 * batch)
+    with pytest.raises(RuntimeError, match="storage"):
+        torch.func.vmap(GeneratedNumpy.apply)(batch)
 
 
 def _thomas(lower, diag, upper, rhs):
