@@ -376,3 +376,23 @@ def test_one_break_splits_the_backward_into_two_compiled_graphs():
         backward_graphs[broken] = len(count)
     torch.compiler.reset()
     assert backward_graphs == {False: 1, True: 2}
+
+
+def test_after_warm_up_the_timed_calls_run_compiled_graphs_without_compiling():
+    """Section 6.3 times under set_stance("fail_on_recompile"): warmed-up calls run the graphs
+    already compiled, and a call that needed a new graph would raise instead of compiling."""
+    torch.compiler.reset()
+    counter = CompileCounterWithBackend("eager")
+    compiled = torch.compile(loss, fullgraph=True, dynamic=True, backend=counter)
+    for requires_grad in (False, True):  # warm-up: one graph each
+        compiled(*system(9, requires_grad=requires_grad))
+    assert counter.frame_count == 2
+    with torch.compiler.set_stance("fail_on_recompile"):
+        for n in (9, 50):  # dynamic=True: another size needs no new graph
+            for requires_grad in (False, True):
+                inputs = system(n, seed=3, requires_grad=requires_grad)
+                torch.testing.assert_close(compiled(*inputs), loss(*inputs))
+        with pytest.raises(RuntimeError, match="fail_on_recompile"):
+            compiled(*[t.float() for t in system(9)])  # float32: a guard fails
+    assert counter.frame_count == 2
+    torch.compiler.reset()
