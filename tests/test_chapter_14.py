@@ -127,9 +127,10 @@ diag = 4 + torch.rand(8, generator=g, dtype=torch.float64)
 rhs = torch.randn(8, 2, generator=g, dtype=torch.float64)
 dense = torch.diag(diag) + torch.diag(lower, -1) + torch.diag(upper, 1)
 expected = torch.linalg.solve(dense, rhs)
+x_kernel, _ = op.cpp_solve(lower, diag, upper, rhs)
 for driver in ("cpp", "lapack", "sequential", "partitioned"):
     x = op.solve(lower, diag, upper, rhs, None, None, "N", driver)
-    print(driver, float((x - expected).abs().max()) < 1e-12)
+    print(driver, float((x - expected).abs().max()) < 1e-12, torch.equal(x, x_kernel))
 attempts = {"lu_factor": lambda: op.lu_factor(lower, diag, upper, "sequential"),
             "trans": lambda: op.solve(lower, diag, upper, rhs, None, None, "T", "cpp"),
             "factors": lambda: op.solve(lower, diag, upper, rhs, diag, diag.int(), "N", "lapack")}
@@ -146,6 +147,12 @@ try:
     print("singular ran")
 except RuntimeError as error:  # plain: only the package's Python raises SingularMatrixError
     print("singular", type(error).__name__, "in system 0 (flat index over the batch)" in str(error))
+try:  # no fake kernel registered from Python: the fake tensors reach the composite kernel
+    torch.compile(lambda *bands: op.solve(*bands, None, None, "N", "cpp"), fullgraph=True,
+                  backend="eager")(lower, diag, upper, rhs)
+    print("compile ran")
+except RuntimeError as error:
+    print("compile refused", "CPU tensors only" in str(error), "import" in str(error))
 print("imported", any(m.startswith("tridiag_tutorial") for m in sys.modules))
 """
 
@@ -153,16 +160,18 @@ print("imported", any(m.startswith("tridiag_tutorial") for m in sys.modules))
 @pytest.mark.slow
 def test_the_library_alone_solves_from_the_bands_on_any_driver_and_refuses_the_rest():
     """Section 14.6 (and chapter 13's section 13.8): in a process that loads only the library, the
-    composite kernel solves whatever driver the graph recorded, refuses factoring, solves from
-    factors and trans other than 'N', and raises a plain RuntimeError on a singular matrix."""
+    composite kernel solves whatever driver the graph recorded, on the C++ kernel (its bits),
+    refuses factoring, solves from factors and trans other than 'N', raises a plain RuntimeError
+    on a singular matrix, and compiling a call of the op fails inside the C++ kernel, on fake
+    tensors, with no word of a module to import (section 14.7: _C sets no pystub)."""
     require_cpp()
     run = subprocess.run([sys.executable, "-c", LIBRARY_ALONE, str(compiled.library_path())],
                          capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stderr[-2000:]
     assert run.stdout.split("\n")[:-1] == [
-        "cpp True", "lapack True", "sequential True", "partitioned True",
+        "cpp True True", "lapack True True", "sequential True True", "partitioned True True",
         "lu_factor refused True", "trans refused True", "factors refused True",
-        "singular RuntimeError True", "imported False"]
+        "singular RuntimeError True", "compile refused True False", "imported False"]
 
 
 def test_libtorch_cpu_defines_the_c_functions_and_libc10_only_what_libstdcxx_has_too():
