@@ -344,3 +344,14 @@ def test_the_private_torch_names_it_uses_are_the_two_it_names():
     attributes = {node.attr for node in ast.walk(tree) if isinstance(node, ast.Attribute)
                   and node.attr.startswith("_") and not node.attr.startswith("__")}
     assert attributes <= {"_solve_op", "_calls"} | {"_fw_primal"}, attributes
+
+
+def test_the_forward_transform_count_also_refuses_an_outer_jacfwd_that_never_reaches_solve():
+    """Chapter 8 calls the count conservative: jacfwd in a scalar a of a * (a jvp's tangent) is
+    refused through solve, though the Function alone, which the outer tangent never reaches, is right."""
+    dl, d, du, b = system(6)
+    ones, a = torch.ones_like(d), torch.tensor(2.0, dtype=F64)
+    outer = lambda f: jacfwd(lambda s: s * jvp(lambda x: f(dl, x, du, b), (d,), (ones,))[1])(a)
+    with pytest.raises(NotImplementedError, match="forward over forward"):
+        outer(solve)
+    close(outer(SolveFunction.apply), jvp(lambda x: dense(dl, x, du, b), (d,), (ones,))[1])

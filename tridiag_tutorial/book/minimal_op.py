@@ -174,7 +174,7 @@ class SolveFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g):
-        return _backward(solve, *ctx.saved_tensors, g)  # differentiable: any order
+        return _backward(solve, *ctx.saved_tensors, g)  # differentiable again, through solve
 
     @staticmethod
     def jvp(ctx, tdl, td, tdu, tb):
