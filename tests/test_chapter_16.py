@@ -586,3 +586,26 @@ def test_refinement_and_the_check_write_90_percent_of_the_partitioned_bytes():
 def test_a_device_other_than_mps_gets_the_partitioned_kernel_whatever_its_float64_support():
     for device in ("xpu", "cuda"):
         assert choose_driver(device, torch.float32, 1, kernels.PARTITIONED_MIN_N, False) == "partitioned"
+
+
+def test_the_recursion_stops_at_systems_of_at_most_2_m_plus_1_unknowns():
+    """Section 16.4: the reduced systems shrink until one has at most 2 (m + 1) = 10 unknowns."""
+    assert partitioned.BLOCK == 4
+    assert partitioned.levels(10) == [10] and len(partitioned.levels(11)) > 1
+    for n in (11, 64, 1000, 12345, 10**6):
+        sizes = partitioned.levels(n)
+        assert sizes[-1] <= 10 and all(size > 10 for size in sizes[:-1])
+
+
+def test_one_bad_system_hands_its_neighbours_lapacks_answer_instead_of_the_refined_one():
+    """Section 16.7: the fallback solves the whole batch again, so a good system's answer
+    depends on whether a neighbour in the batch failed the check."""
+    good = random_system(70, seed=3)
+    bad = random_system(70, seed=7)
+    bad[0][2], bad[1][3] = 0.0, 0.0  # the singular block of section 16.7
+    batch = [torch.stack([g, b]) for g, b in zip(good, bad)]
+    x_alone, fell_alone = partitioned.solve_ex(*good[:3], good[3][:, None])
+    x_batch, fell_batch = partitioned.solve_ex(*batch[:3], batch[3][..., None])
+    assert not fell_alone and fell_batch
+    assert torch.equal(x_batch[0], sequential.solve(*good[:3], good[3][:, None]))
+    assert not torch.equal(x_batch[0], x_alone)
