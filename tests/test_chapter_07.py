@@ -258,3 +258,45 @@ def test_only_autograd_with_driver_none_takes_the_cpp_fast_path():
     assert fast_calls(lambda: torch.autograd.grad(loss(leaf, driver="cpp"), leaf)) == 0
     assert fast_calls(lambda: grad(loss)(diag)) == 0
     assert fast_calls(lambda: vmap(grad(loss))(diag.expand(3, -1).clone())) == 0
+
+
+def test_complex_jvp_is_the_tangent_rule():
+    """Section 7.8: for complex inputs, jvp's tangent is A^{-1} (db - dA x), unchanged."""
+    lower, diag, upper, rhs = make_system(7, dtype=torch.complex128, seed=8)
+    tangents = tuple(make_system(7, dtype=torch.complex128, seed=9))
+    x, x_dot = jvp(tridiagonal_solve, (lower, diag, upper, rhs), tangents)
+    A, dA = to_dense(lower, diag, upper), to_dense(*tangents[:3])
+    assert relative(x_dot, torch.linalg.solve(A, tangents[3] - dA @ x)) < 1e-10
+    # the conjugated rule is a different vector: the check can fail
+    assert relative(x_dot.conj(), torch.linalg.solve(A, tangents[3] - dA @ x)) > 0.01
+
+
+def test_grad_calls_the_function_again_in_its_backward():
+    """Section 7.3's split: torch.func.grad, like autograd.grad with create_graph=True, calls the
+    op's autograd.Function in the forward and again in the backward; without create_graph the
+    backward calls the kernel directly."""
+    import tridiag_tutorial.api as api
+    import tridiag_tutorial.functions as functions
+
+    lower, diag, upper, rhs = make_system(8, seed=11)
+    loss = lambda d: tridiagonal_solve(lower, d, upper, rhs, driver="lapack").square().sum()  # noqa: E731
+
+    def calls(fn):
+        phases = []
+        apply = functions._apply
+
+        def counted(*args):
+            phases.append("backward" if torch._C._current_graph_task_id() != -1 else "forward")
+            return apply(*args)
+
+        with mock.patch.object(api, "_apply", counted), mock.patch.object(functions, "_apply", counted):
+            fn()
+        return phases
+
+    def with_autograd(create_graph):
+        leaf = diag.clone().requires_grad_()
+        return lambda: torch.autograd.grad(loss(leaf), leaf, create_graph=create_graph)
+
+    assert calls(lambda: grad(loss)(diag)) == ["forward", "backward"]
+    assert calls(with_autograd(create_graph=True)) == ["forward", "backward"]
+    assert calls(with_autograd(create_graph=False)) == ["forward"]
