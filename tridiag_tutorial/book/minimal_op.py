@@ -201,8 +201,8 @@ def _count_forward_level():
     if _calls.levels > 1 or forward_transforms > 1:
         raise NotImplementedError(
             "tridiag_minimal.solve: forward over forward (jvp of jvp, jacfwd of jacfwd, jacfwd of a "
-            "jvp's tangent) is not supported; take the outer derivative in reverse mode: "
-            "jacrev(jacfwd(f)), or hessian(f)")
+            "jvp's tangent) is not supported; make one of the two derivatives reverse mode: "
+            "jacrev(jacfwd(f)), or hessian(f), forward over reverse")
 
 
 def solve(dl: torch.Tensor, d: torch.Tensor, du: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
