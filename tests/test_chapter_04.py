@@ -218,6 +218,26 @@ def test_graphs_end_at_a_break_or_a_return_and_the_lapack_call_breaks_where_no_g
     torch._dynamo.reset()
 
 
+@pytest.mark.slow
+def test_the_lapack_function_breaks_alike_whether_or_not_its_inputs_require_grad():
+    """Section 4.5(a) traces the LAPACK Function on inputs without grad and says the same graphs
+    and break reasons come with inputs that require grad, the case of the Thomas run beside it."""
+    system = make_system(5, seed=55)
+
+    def loss(*a):
+        return tridiagonal_solve_function(*a).pow(2).sum()
+
+    found = []
+    for requires_grad in (False, True):
+        torch._dynamo.reset()
+        args = [t.clone().requires_grad_(requires_grad) for t in system]
+        explanation = torch._dynamo.explain(loss)(*args)
+        found.append((explanation.graph_count,
+                      [str(r.reason).splitlines()[0] for r in explanation.break_reasons]))
+    torch._dynamo.reset()
+    assert found[0] == found[1] and found[0][0] > 1 and found[0][1]
+
+
 class _Double(torch.autograd.Function):
     @staticmethod
     def forward(t):
