@@ -225,6 +225,16 @@ def test_generate_vmap_rule_batches_the_cube():
         vmap(Cube.apply)(xs)
 
 
+def test_without_a_vmap_rule_jacfwd_and_hessian_raise_but_jacrev_runs():
+    """Section 7.7: jacfwd and hessian vmap the Function itself and need its batching rule; jacrev
+    vmaps only the backward, plain torch operations for the cube, and runs without one."""
+    xs = torch.tensor([0.5, -1.0, 2.5], dtype=F64)
+    torch.testing.assert_close(jacrev(Cube.apply)(xs), torch.diag(3 * xs**2))
+    for transform in (jacfwd(Cube.apply), hessian(lambda t: Cube.apply(t).sum())):
+        with pytest.raises(RuntimeError, match="does not have vmap support"):
+            transform(xs)
+
+
 def test_complex_gradient_uses_the_conjugate_transpose():
     args = [t.requires_grad_() for t in make_system(7, dtype=torch.complex128, seed=5)]
     x = tridiagonal_solve(*args)
