@@ -355,3 +355,24 @@ def test_the_forward_transform_count_also_refuses_an_outer_jacfwd_that_never_rea
     with pytest.raises(NotImplementedError, match="forward over forward"):
         outer(solve)
     close(outer(SolveFunction.apply), jvp(lambda x: dense(dl, x, du, b), (d,), (ones,))[1])
+
+
+def test_dual_numbers_and_a_torch_func_jvp_nested_either_way_are_refused_by_torch():
+    """Chapter 8's refusals leave this nesting to torch: dual numbers around torch.func.jvp through
+    solve, and the reverse, raise torch's own error rather than give a silent answer."""
+    dl, d, du, b = system(5)
+    t_in, t_out = torch.ones_like(d), torch.full_like(d, 0.5)
+
+    def jvp_inside(x):
+        return jvp(lambda y: solve(dl, y, du, b), (x,), (t_in,))[1]
+
+    with pytest.raises(RuntimeError, match="Nested forward mode AD is not supported"):
+        with fwAD.dual_level():
+            jvp_inside(fwAD.make_dual(d, t_out))
+
+    def duals_inside(x):
+        with fwAD.dual_level():
+            return fwAD.unpack_dual(solve(dl, fwAD.make_dual(x, t_in), du, b)).tangent
+
+    with pytest.raises(RuntimeError, match="Nested forward mode AD is not supported"):
+        jvp(duals_inside, (d,), (t_out,))
