@@ -14,7 +14,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from tridiag_tutorial import to_dense, tridiagonal_solve
+from tridiag_tutorial import api, functions, to_dense, tridiagonal_solve
 from tridiag_tutorial.kernels import compiled
 
 from conftest import make_system, torch_trap
@@ -285,9 +285,6 @@ def test_grad_calls_the_function_again_in_its_backward():
     """Section 7.3's split: torch.func.grad, like autograd.grad with create_graph=True, calls the
     op's autograd.Function in the forward and again in the backward; without create_graph the
     backward calls the kernel directly."""
-    import tridiag_tutorial.api as api
-    import tridiag_tutorial.functions as functions
-
     lower, diag, upper, rhs = make_system(8, seed=11)
     loss = lambda d: tridiagonal_solve(lower, d, upper, rhs, driver="lapack").square().sum()  # noqa: E731
 

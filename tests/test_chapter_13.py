@@ -2,17 +2,18 @@
 
 import json
 from pathlib import Path
+from unittest import mock
 
 import pytest
 import torch
 import torch.autograd.forward_ad as fwAD
 from torch.func import grad, hessian, jacfwd, jacrev, jvp, vmap
 
-from tridiag_tutorial import to_dense, tridiagonal_solve
+from tridiag_tutorial import api, kernels, to_dense, tridiagonal_solve
 from tridiag_tutorial.bench import reference as shipped
 from tridiag_tutorial.book.minimal_op import solve as minimal_solve
 
-from conftest import make_system
+from conftest import make_system, require_cpp
 
 F64 = torch.float64
 RESULTS = Path(__file__).resolve().parents[1] / "notebooks" / "data" / "benchmark_results.json"
@@ -161,12 +162,7 @@ def test_the_route_figures_the_chapter_quotes(route_seconds):
 def test_a_named_driver_even_cpp_skips_the_fast_path():
     # section 13.4: tridiagonal_solve tests driver is None before the fast path, so driver="cpp"
     # runs the same kernel through validation
-    from unittest import mock
-
-    from tridiag_tutorial import api, cpp_available
-
-    if not cpp_available():
-        pytest.skip("the fast path needs the C++ kernel")
+    require_cpp()
     dl, d, du, b = make_system(16, seed=5)
     counts = {}
     for driver in (None, "cpp"):
@@ -181,8 +177,6 @@ def test_a_named_driver_even_cpp_skips_the_fast_path():
 def test_off_the_cpu_the_automatic_choice_ignores_the_batch_size():
     # section 13.7: for 1000 systems it picks the partitioned kernel as for one, though its
     # docstring expects the sequential kernel to win on a large batch
-    from tridiag_tutorial import kernels
-
     for n in (32, 64, 4096):
         choices = {kernels.choose_driver("cuda", F64, batch, n, True) for batch in (1, 1000, 10**6)}
         assert len(choices) == 1, (n, choices)
@@ -207,7 +201,7 @@ def test_wrong_inputs_on_the_fast_path_get_the_general_paths_typed_error():
 
 def test_export_bakes_the_resolved_driver_into_the_graph():
     # section 13.8: driver=None is resolved once, while exporting, and kept as a constant
-    from tridiag_tutorial import cpp_available, kernels
+    from tridiag_tutorial import cpp_available
 
     class Solve(torch.nn.Module):
         def forward(self, d, y):

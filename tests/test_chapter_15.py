@@ -401,15 +401,16 @@ def test_each_reason_to_hand_back_hands_the_system_back():
     def infinite(lower, diag, upper, rhs):
         rhs[s + 7, 0] = float("inf")
 
+    d_singular = 2 * np.cos(np.pi / (m + 1))  # tridiag(-1, d, -1) of m rows: singular in exact arithmetic
+
     def nearly_singular(lower, diag, upper, rhs):
         lower[s:s + m - 1] = upper[s:s + m - 1] = -1.0
-        diag[s:s + m] = 2 * np.cos(np.pi / (m + 1))
+        diag[s:s + m] = d_singular
 
     assert handed_back(lambda *system: None) == 0
     # the nearly singular piece: ?gtsv's elimination of the block alone meets a pivot below 1e-12
     (gttrf,) = get_lapack_funcs(("gttrf",), (np.zeros(1),))
-    d = 2 * np.cos(np.pi / (m + 1))
-    pivots = np.abs(gttrf(-np.ones(m - 1), np.full(m, d), -np.ones(m - 1))[1])
+    pivots = np.abs(gttrf(-np.ones(m - 1), np.full(m, d_singular), -np.ones(m - 1))[1])
     assert pivots.min() < 1e-12 and round(pivots.max(), 1) == 2.0
     for edit in (zero_column, infinite, nearly_singular):
         assert handed_back(edit) == 1, edit.__name__
