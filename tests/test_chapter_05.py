@@ -186,3 +186,61 @@ def test_opcheck_autograd_registration_passes_a_custom_op_without_backward():
     assert results == {"test_autograd_registration": "SUCCESS"}
     with pytest.raises(RuntimeError, match="no autograd formula"):
         no_backward(x).sum().backward()
+
+
+def test_an_op_without_device_types_claims_every_backend():
+    """Section 5.5: the chapter's NumPy ops omit ``device_types``, so they claim CUDA and MPS too."""
+    @torch.library.custom_op("test_ch05::numpy_everywhere", mutates_args=())
+    def numpy_everywhere(x: torch.Tensor) -> torch.Tensor:
+        return torch.from_numpy(2 * x.numpy())
+
+    name = "test_ch05::numpy_everywhere"
+    for key in ("CPU", "CUDA", "MPS"):
+        assert torch._C._dispatch_has_computed_kernel_for_dispatch_key(name, key)
+
+
+def test_the_kernel_runs_with_grad_mode_off_when_an_input_requires_grad():
+    """Section 5.2: why ``.numpy()`` works in the kernel on an input that requires grad."""
+    seen = []
+
+    @torch.library.custom_op("test_ch05::grad_mode", mutates_args=())
+    def grad_mode(x: torch.Tensor) -> torch.Tensor:
+        seen.append((torch.is_grad_enabled(), x.requires_grad))
+        return torch.from_numpy(2 * x.numpy())
+
+    grad_mode(torch.ones(2, dtype=torch.float64, requires_grad=True))
+    assert seen == [(False, True)]
+
+
+def test_the_generated_meta_kernel_raises_unless_the_op_mutates_and_returns_nothing():
+    """Section 5.5: ``custom_op``'s ``Meta`` kernel without ``register_fake``."""
+    @torch.library.custom_op("test_ch05::returns_nothing", mutates_args=())
+    def returns_nothing(x: torch.Tensor) -> None:
+        return None
+
+    @torch.library.custom_op("test_ch05::mutates_nothing_returned", mutates_args={"x"})
+    def mutates(x: torch.Tensor) -> None:
+        x.mul_(2)
+
+    with pytest.raises(RuntimeError, match="no fake impl"):
+        returns_nothing(torch.ones(2, device="meta"))
+    assert mutates(torch.ones(2, device="meta")) is None
+
+
+def test_a_dual_tensor_does_not_require_grad_and_cpu_tensors_carry_autograd_cpu():
+    """Sections 5.5 and 5.8: the dispatch keys of a plain tensor, and a dual tensor's flag."""
+    import torch.autograd.forward_ad as fwAD
+
+    assert "AutogradCPU" in str(torch._C._dispatch_keys(torch.ones(2)))
+    with fwAD.dual_level():
+        dual = fwAD.make_dual(torch.ones(2, dtype=torch.float64), torch.ones(2, dtype=torch.float64))
+        assert not dual.requires_grad and fwAD.unpack_dual(dual).tangent is not None
+
+
+def test_empty_like_with_contiguous_format_matches_new_empty():
+    """Section 5.3: both fake kernels promise C order whatever ``rhs``'s strides are."""
+    rhs_f = torch.randn(6, 3, dtype=torch.float64).mT.contiguous().mT
+    assert rhs_f.stride() == (1, 6)
+    assert torch.empty_like(rhs_f).stride() == (1, 6)
+    assert (torch.empty_like(rhs_f, memory_format=torch.contiguous_format).stride()
+            == rhs_f.new_empty(rhs_f.shape).stride() == (3, 1))
