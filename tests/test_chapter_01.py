@@ -215,3 +215,18 @@ def test_the_round_off_arm_lies_below_eps_f_over_h(difference):
     errs, arm = errors(difference), STEPS <= 1e-9
     ratio = errs[arm] / (np.finfo(float).eps * abs(math.sin(X0)) / STEPS[arm])
     assert ratio.max() < 1 and np.median(ratio) > 0.01  # below the line, yet parallel to it
+
+
+@pytest.mark.parametrize("kind", ["forward", "central", "five-point"])
+def test_the_worst_case_constants_do_not_bring_the_predicted_step_closer(kind):
+    points = np.random.default_rng(1).uniform(0.5, 1.5, size=100)  # the chapter's 100 points
+    eps = np.finfo(float).eps
+    rules = {"forward": (lambda h: (np.sin(points + h) - np.sin(points)) / h,
+                         math.sqrt(eps), 2 * math.sqrt(eps)),
+             "central": (lambda h: (np.sin(points + h) - np.sin(points - h)) / (2 * h),
+                         eps ** (1 / 3), (3 * eps * math.tan(X0)) ** (1 / 3)),
+             "five-point": (lambda h: five_point_stencil(np.sin, points, h),
+                            eps ** 0.2, (11.25 * eps * math.tan(X0)) ** 0.2)}
+    estimate, rule_of_thumb, with_constants = rules[kind]
+    best = STEPS[int(np.argmin([np.abs(estimate(h) - np.cos(points)).mean() for h in STEPS]))]
+    assert abs(math.log(best / rule_of_thumb)) < abs(math.log(best / with_constants))
