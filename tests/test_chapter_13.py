@@ -293,3 +293,17 @@ def test_the_library_alone_gives_the_cpp_kernels_bits_whatever_the_driver(tmp_pa
                 for driver in ("lapack", "sequential", "partitioned")}
         assert same == ({"lapack": True, "sequential": True, "partitioned": False} if n == 8
                         else dict.fromkeys(same, False)), n
+
+
+def test_the_headline_of_section_13_4(route_seconds):
+    # section 13.4's first sentence: at n = 100 a forward takes 2.02 times as long without the fast
+    # path, 1.83 with the backward; 1.12 to 1.40 without one of the other shortcuts (in the rows
+    # that use it); on the largest batch, at most 1.16
+    m = lambda route, *case: round(marginal(route_seconds, route, *case), 2)
+    assert (m(FAST, "forward", 100, 0), m(FAST, "backward", 100, 0)) == (2.02, 1.83)
+    others = [m(FUSED, "backward", 100, 0), m(APPLY, "backward", 100, 0),
+              m(DIRECT, "forward", 100, 0), m(DIRECT, "backward", 100, 0)]
+    assert (min(others), max(others)) == (1.12, 1.40)
+    largest = [m(route, mode, 256, 1024) for route in (FAST, FUSED, DIRECT, APPLY)
+               for mode in ("forward", "backward")]
+    assert max(largest) == 1.16
