@@ -201,3 +201,52 @@ def test_dgtsv_on_a_dominant_system_does_thomas_arithmetic():
         x[i] = (y[i] - upper[i] * x[i + 1]) / c[i]
     (dgtsv,) = scipy.linalg.get_lapack_funcs(("gtsv",), (diag,))
     assert np.abs(dgtsv(lower, diag, upper, b[:, None])[3].ravel() - np.array(x)).max() < 1e-14
+
+
+def test_torch_linalg_has_no_tridiagonal_or_banded_solver():
+    names = [name.lower() for name in dir(torch.linalg)]
+    assert not [name for name in names if "tridiag" in name or "band" in name or "gtsv" in name]
+
+
+def test_the_tiny_pivot_error_sits_in_x0_and_the_norm_wise_figure_dilutes_it():
+    lower, diag, upper, rhs, x_true = pivot_example(1e-12)
+    c, y = [diag[0]], [rhs[0]]  # elimination without pivoting, as the chapter's thomas
+    for i in range(1, 6):
+        w = lower[i - 1] / c[-1]
+        c.append(diag[i] - w * upper[i - 1])
+        y.append(rhs[i] - w * y[-1])
+    x = [0.0] * 6
+    x[5] = y[5] / c[5]
+    for i in range(4, -1, -1):
+        x[i] = (y[i] - upper[i] * x[i + 1]) / c[i]
+    err = np.abs(np.array(x) - x_true)
+    assert 5e-5 < err[0] < 2e-4  # |x_0 - 1| about 9e-5: four significant digits right
+    assert err[1:].max() < 1e-12  # the other five entries are accurate
+    norm_wise = np.linalg.norm(np.array(x) - x_true) / np.linalg.norm(x_true)
+    assert abs(norm_wise - err[0] / np.linalg.norm(x_true)) < 1e-3 * norm_wise
+    assert abs(np.linalg.norm(x_true) - 9.5) < 0.1
+
+
+def test_heat_and_spline_matrices_are_dominant_for_any_data():
+    def margins(lower, diag, upper):
+        off = np.zeros(len(diag))
+        off[1:] += np.abs(lower)
+        off[:-1] += np.abs(upper)
+        return np.abs(diag) - off
+
+    for r in (1e-3, 0.5, 10.0, 1e4):
+        m = margins(*heat_bands(50, r))
+        assert np.allclose(m[1:-1], 1.0) and np.all(m[[0, -1]] >= 1.0)
+    rng = np.random.default_rng(11)
+    for _ in range(20):
+        hs = np.diff(np.sort(rng.uniform(0, 1, 12)))
+        off, diag = hs[1:-1], 2 * (hs[:-1] + hs[1:])
+        assert np.all(margins(off, diag, off) >= (hs[:-1] + hs[1:]) * (1 - 1e-12))
+
+
+def test_solve_banded_does_not_check_a_1x1_system_for_zero_but_the_package_raises():
+    with np.errstate(divide="ignore"):
+        x = scipy.linalg.solve_banded((1, 1), np.zeros((3, 1)), np.array([4.0]))
+    assert np.isinf(x).all()
+    with pytest.raises(tt.SingularMatrixError):
+        lapack.gtsv(np.array([]), np.array([0.0]), np.array([]), np.array([4.0]))
