@@ -519,3 +519,19 @@ def test_what_reads_the_machine_is_not_compared_by_nbval():
     compared = [i for i, c in reading if c["outputs"]
                 and "nbval-ignore-output" not in c["metadata"].get("tags", [])]
     assert compared == []
+
+
+def test_exercise_1_n_star_is_no_crossover():
+    """Exercise 1's solution: n* = a / b is 2,800 and 6,700 for the op on LAPACK, under 800 for
+    JAX; by the fits JAX (smaller a, and b no larger) is faster at every n; forward on the Intel,
+    the op on LAPACK took 1.29 to 1.44 times JAX's time at 1e4 and 1.04 to 1.08 at 1e5."""
+    fits = {(impl, mode): fit(impl, mode) for impl in ("lapack", "jax") for mode in ("forward", "backward")}
+    n_star = {key: a / b for key, (a, b, _) in fits.items()}
+    assert [round(n_star["lapack", m], -2) for m in ("forward", "backward")] == [2800, 6700]
+    assert max(n_star["jax", m] for m in ("forward", "backward")) < 800
+    for mode in ("forward", "backward"):
+        (a_l, b_l, _), (a_j, b_j, _) = fits["lapack", mode], fits["jax", mode]
+        assert a_j < a_l and b_j <= b_l  # JAX's fitted line lies below at every n > 0
+    for n, expected in ((10**4, (1.29, 1.44)), (10**5, (1.04, 1.08))):
+        q = [over_jax_intel("lapack", n, f) for f in FAMILIES]
+        assert (round(min(q), 2), round(max(q), 2)) == expected
