@@ -462,3 +462,39 @@ def test_the_lanes_probe_needs_g_plus_plus(monkeypatch):
             lanes.probe(lanes_batch(systems=8, n=10), 8)
     finally:
         lanes.build.cache_clear()
+
+
+def test_the_kernel_step_section_15_2_shows_is_batched_hs():
+    """Section 15.2 shows one elimination step of real_kernel as a cpp block: it must be the lines
+    of csrc/batched.h, in order and contiguous, so that the text cannot drift from the source."""
+    notebook = Path(__file__).resolve().parents[1] / "notebooks" / "15_cpu_kernels.ipynb"
+    cells = json.loads(notebook.read_text())["cells"]
+    blocks = ["".join(c["source"]).split("```cpp\n", 1)[1].split("```", 1)[0]
+              for c in cells if c["cell_type"] == "markdown" and "```cpp\n" in "".join(c["source"])]
+    assert len(blocks) == 1
+    shown = [line.strip() for line in blocks[0].splitlines()]
+    assert any("lnot(P::abs(a) >= P::abs(l))" in line for line in shown)  # the NaN-aware swap test
+    source = (Path(compiled.__file__).resolve().parents[1] / "csrc" / "batched.h").read_text()
+    lines = [line.strip() for line in source.splitlines()]
+    assert any(lines[i:i + len(shown)] == shown for i in range(len(lines)))
+
+
+def test_the_accuracy_families_as_section_15_4_describes_them():
+    """Section 15.4: dominant adds 4 to the magnitude of random's diagonal; nearly_singular_block
+    makes one 4-row block of random nearly singular; badly_scaled_rows scales random's rows from
+    1e-150 to 1e150 in float64."""
+    from tridiag_tutorial.bench.accuracy import make
+
+    n, seed = 1000, 3
+    lower, diag, upper, rhs = make("random", n, np.float64, seed)
+    _, dominant, _, _ = make("dominant", n, np.float64, seed)
+    np.testing.assert_array_equal(np.abs(dominant), np.abs(diag) + 4)
+    l2, d2, u2, _ = make("nearly_singular_block", n, np.float64, seed)
+    assert (l2 == lower).all() and (u2 == upper).all()
+    (changed,) = np.nonzero(d2 != diag)[0]
+    a = changed - 3  # the block: rows a to a + 3
+    block = np.diag(d2[a:a + 4]) + np.diag(u2[a:a + 3], 1) + np.diag(l2[a:a + 3], -1)
+    assert abs(np.linalg.det(block)) < 1e-3 * np.prod(np.abs(d2[a:a + 4]))
+    _, scaled, _, _ = make("badly_scaled_rows", n, np.float64, seed)
+    exponents = np.log10(np.abs(scaled / diag))
+    assert round(exponents.min()) == -150 and round(exponents.max()) == 150
