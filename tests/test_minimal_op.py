@@ -207,6 +207,30 @@ def test_the_op_alone_refuses_dual_numbers():
         _solve_op(dl, fwAD.make_dual(d, torch.ones_like(d)), du, b)
 
 
+def test_the_op_alone_refuses_torch_func_forward_mode_instead_of_a_zero_tangent():
+    """Without the refusal one key below autograd, jvp and jacfwd of the op alone, and jvp through
+    an exported graph of solve, return a zero tangent; the dense reference's is not zero."""
+    dl, d, du, b = system(6)
+    ones = torch.ones_like(d)
+    assert jvp(lambda x: dense(dl, x, du, b), (d,), (ones,))[1].abs().max() > 0.01
+
+    class Solve(torch.nn.Module):
+        def forward(self, dl, d, du, b):
+            return solve(dl, d, du, b)
+
+    exported = torch.export.export(Solve(), (dl, d, du, b)).module()
+    for f in (_solve_op, exported):
+        with pytest.raises(NotImplementedError, match="torch.func forward mode"):
+            jvp(lambda x: f(dl, x, du, b), (d,), (ones,))
+        with pytest.raises(NotImplementedError, match="torch.func forward mode"):
+            jacfwd(lambda x: f(dl, x, du, b))(d)
+    # the refusal is only under a forward transform: vmap, grad-free calls and solve's jvp still answer
+    close(torch.vmap(lambda x: _solve_op(dl, x, du, b))(d.expand(3, 6)), dense(dl, d, du, b).expand(3, 6))
+    close(jvp(lambda x: solve(dl, x, du, b), (d,), (ones,))[1], jvp(lambda x: dense(dl, x, du, b), (d,), (ones,))[1])
+    close(torch.vmap(lambda x: jvp(lambda y: solve(dl, y, du, b), (x,), (ones,))[1])(d.expand(2, 6)),
+          jvp(lambda x: dense(dl, x, du, b), (d,), (ones,))[1].expand(2, 6))
+
+
 def test_a_direct_apply_of_the_function_leaves_no_state_behind():
     dl, d, du, b = system(6)
     of_d = lambda x: SolveFunction.apply(dl, x, du, b)
@@ -299,6 +323,36 @@ def test_a_compiled_call_inside_a_dual_level_raises_on_the_graphs_first_run_only
 
 
 @pytest.mark.slow
+def test_the_first_run_refusal_comes_from_aotautograds_alias_check_and_warming_from_a_level_guard():
+    """Chapter 8's causes: with AOTAutograd's first-run aliasing check off, a compiled call's first
+    run inside a dual level is right; warming solve outside fails because tracing unpack_dual makes
+    Dynamo guard on the forward-AD level, so it recompiles inside (the op alone is not recompiled)."""
+    import torch._functorch.config as functorch_config
+    from torch._dynamo.utils import guard_failures
+
+    dl, d, du, b = system(6)
+    for solver in (solve, _solve_op):
+        torch.compiler.reset()
+        compiled = torch.compile(lambda x: solver(dl, x, du, b), backend="aot_eager", fullgraph=True)
+        with functorch_config.patch(check_custom_op_aliasing=False), fwAD.dual_level():
+            close(compiled(d), dense(dl, d, du, b))
+    failed = {}
+    for name, solver in (("solve", solve), ("op", _solve_op)):
+        torch.compiler.reset()
+        compiled = torch.compile(lambda x: solver(dl, x, du, b), backend="aot_eager", fullgraph=True)
+        compiled(d)
+        guard_failures.clear()
+        with fwAD.dual_level():
+            try:
+                compiled(d)
+            except NotImplementedError:
+                pass
+        failed[name] = [reason for reasons in guard_failures.values() for reason in reasons]
+    assert len(failed["solve"]) == 1 and "_current_level == -1" in failed["solve"][0], failed
+    assert failed["op"] == [], failed
+    torch.compiler.reset()
+
+@pytest.mark.slow
 def test_the_function_alone_cannot_compile_a_loss_for_backward_but_solve_can():
     """Why solve gives traced code the op: Dynamo refuses a Function with a jvp under fullgraph."""
     dl, d, du, b = system(6)
@@ -328,9 +382,10 @@ def test_torch_export_traces_solve_to_the_op():
     close(exported.module()(dl, d, du, b), dense(dl, d, du, b))
 
 
-def test_the_private_torch_names_it_uses_are_the_two_it_names():
-    """The module is built on public APIs except two private reads it documents: the text of
-    torch's unpack_dual error and functorch's stack of active transforms."""
+def test_the_private_torch_names_it_uses_are_the_three_it_names():
+    """The module is built on public APIs except three private reads it documents: the text of
+    torch's unpack_dual error, functorch's stack of active transforms and the key set below
+    ADInplaceOrView."""
     import ast
     from pathlib import Path
 
@@ -343,7 +398,7 @@ def test_the_private_torch_names_it_uses_are_the_two_it_names():
                        "torch._functorch.pyfunctorch.retrieve_all_functorch_interpreters"]
     attributes = {node.attr for node in ast.walk(tree) if isinstance(node, ast.Attribute)
                   and node.attr.startswith("_") and not node.attr.startswith("__")}
-    assert attributes <= {"_solve_op", "_calls"} | {"_fw_primal"}, attributes
+    assert attributes <= {"_solve_op", "_calls", "_library"} | {"_fw_primal", "_C", "_after_ADInplaceOrView_keyset"}, attributes
 
 
 def test_the_forward_transform_count_also_refuses_an_outer_jacfwd_that_never_reaches_solve():

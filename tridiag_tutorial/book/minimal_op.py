@@ -1,6 +1,7 @@
 r"""Chapter 8: an operator you can copy, a tridiagonal solve on public torch APIs (it also reads
-the text of one torch error message, in ``_refuse_tangents``, and functorch's private stack of
-active transforms, in ``_count_forward_level``).
+the text of one torch error message, in ``_refuse_tangents``, functorch's private stack of
+active transforms, in ``_count_forward_level`` and ``_refuse_func_forward``, and the private set of
+dispatch keys below ``ADInplaceOrView``, in ``_refuse_func_forward``).
 
 ``solve(dl, d, du, b)`` returns ``x`` with ``A x = b``, where ``A`` has the sub-diagonal ``dl``
 ``(..., n-1)``, the diagonal ``d`` ``(..., n)`` and the super-diagonal ``du`` ``(..., n-1)``, and
@@ -12,7 +13,9 @@ Two public mechanisms, each with a gap on torch 2.13, and ``solve`` picks betwee
 - the custom op ``tridiag_minimal::solve`` (``custom_op``, ``register_fake``,
   ``register_autograd``, ``register_vmap``) is what ``torch.compile`` sees: one opaque node that
   passes ``opcheck`` and compiles with ``fullgraph=True``; but its ``register_autograd`` raises under
-  ``torch.func.grad`` and returns zero tangents under forward mode;
+  ``torch.func.grad`` and has no forward-mode rule (torch would read the missing tangent as
+  zero; the op refuses instead, in its kernel for dual numbers and one key below autograd for
+  ``torch.func.jvp`` and ``jacfwd``);
 - the ``autograd.Function`` ``SolveFunction`` (``setup_context``, ``backward``, ``jvp``,
   ``generate_vmap_rule``)
   calls the same op and works with the eager ``torch.func`` transforms and forward-mode AD, except
@@ -21,8 +24,10 @@ Two public mechanisms, each with a gap on torch 2.13, and ``solve`` picks betwee
   under ``fullgraph=True``.
 
 So eager code runs the Function and traced code the op. Where neither is right (forward mode
-inside ``torch.compile``, a traced call inside a dual level, forward over forward), ``solve`` raises instead of answering wrongly.
-The op stays private (``_solve_op``): called alone under ``jvp`` it returns zero tangents.
+inside ``torch.compile``, ``make_fx`` or a compiled graph's first run inside a dual level, forward
+over forward), ``solve`` raises instead of answering wrongly.
+The op stays private (``_solve_op``): called alone, or through a ``torch.export`` graph, it
+refuses forward mode, which ``solve`` supplies eagerly.
 """
 
 from __future__ import annotations
@@ -91,12 +96,13 @@ def _refuse_tangents(*tensors):
     """The op has no forward-mode rule: a tangent that reaches it would be dropped, so raise."""
     try:
         lost = any(fwAD.unpack_dual(t).tangent is not None for t in tensors)
-    except RuntimeError as error:  # make_fx, or a compiled graph's first run, inside a dual level
+    except RuntimeError as error:  # make_fx, or a compiled graph's first run (AOTAutograd's aliasing
+        # check runs the real kernel under a dispatch mode), inside a dual level
         if "_fw_primal" not in str(error):  # any other error is not this one: let it through
             raise
         raise NotImplementedError(
-            "tridiag_minimal.solve: a traced call (make_fx as in torch.func.linearize, or a compiled "
-            "graph's first run) inside an active forward-AD level (dual_level) cannot see tangents, so it "
+            "tridiag_minimal.solve: a call under make_fx (as in torch.func.linearize) or a compiled "
+            "graph's first run inside an active forward-AD level (dual_level) cannot see tangents, so it "
             "refuses, with or without tangents on its inputs; use jvp, jacfwd or dual numbers on "
             "uncompiled calls") from None
     if lost:
@@ -153,6 +159,23 @@ _solve_op.register_autograd(_op_backward, setup_context=_setup_context)
 @_solve_op.register_vmap
 def _(info, in_dims, dl, d, du, b):
     return _solve_op(*_batched(info, in_dims, dl, d, du, b)), 0  # the kernel takes any batch
+
+
+def _refuse_func_forward(keyset, dl, d, du, b):
+    """``torch.func.jvp`` and ``jacfwd`` reach the op's kernel on unwrapped tensors, so the
+    kernel's check cannot see their tangents, and torch reads the missing rule as a zero tangent.
+    Here, one key below autograd, the transform is still on top of functorch's stack: refuse."""
+    transforms = retrieve_all_functorch_interpreters()
+    if transforms and transforms[-1].key() == TransformType.Jvp:
+        raise NotImplementedError(
+            "tridiag_minimal.solve: torch.func forward mode (jvp, jacfwd) reached the op, which has no "
+            "forward rule (the op called directly, or a torch.export graph); call solve, eagerly")
+    below = keyset & torch._C._after_ADInplaceOrView_keyset  # private: the keys under this one
+    return torch.ops.tridiag_minimal.solve.default.redispatch(below, dl, d, du, b)
+
+
+_library = torch.library.Library("tridiag_minimal", "IMPL")  # kept: deleting it unregisters
+_library.impl("solve", _refuse_func_forward, "ADInplaceOrView", with_keyset=True)  # below autograd
 # [/book: minimal-registrations]
 
 
