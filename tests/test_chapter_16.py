@@ -609,3 +609,39 @@ def test_one_bad_system_hands_its_neighbours_lapacks_answer_instead_of_the_refin
     assert not fell_alone and fell_batch
     assert torch.equal(x_batch[0], sequential.solve(*good[:3], good[3][:, None]))
     assert not torch.equal(x_batch[0], x_alone)
+
+
+class CountTraffic(TorchDispatchMode):
+    """Operations that compute, and the bytes they write and read, counted as chapter 16's CountOps
+    counts them (an input broadcast along a dimension counted once along it)."""
+
+    def __init__(self):
+        super().__init__()
+        self.compute = self.bytes = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if not func.is_view:
+            self.compute += 1
+            leaves = torch.utils._pytree.tree_leaves
+            self.bytes += sum(t.numel() * t.element_size() for t in leaves(out) if isinstance(t, torch.Tensor))
+            self.bytes += sum(int(np.prod([size for size, step in zip(t.shape, t.stride()) if step]))
+                              * t.element_size() for t in leaves((args, kwargs)) if isinstance(t, torch.Tensor))
+        return out
+
+
+def test_the_batch_where_the_kernels_break_even_is_about_1300_systems_per_microsecond_and_tb_per_s():
+    """Section 16.6: with t a launch's cost and beta the bandwidth, the partitioned kernel saves
+    1902 - 793 launches at 1024 x 64 but moves about 0.88 MB more per system of 64, so the kernels
+    break even near 1109 t beta / 0.88 MB, about 1300 systems for t = 1 us and beta = 1 TB/s."""
+    system = random_system(64, batch=(1024,), seed=64)
+    counts = {}
+    for name, kernel in (("sequential", sequential.solve), ("partitioned", partitioned.solve)):
+        with CountTraffic() as counter:
+            kernel(*system[:3], system[3][..., None])
+        counts[name] = counter
+    saved = counts["sequential"].compute - counts["partitioned"].compute
+    extra_mb = (counts["partitioned"].bytes - counts["sequential"].bytes) / 1024 / 1e6
+    assert (counts["sequential"].compute, counts["partitioned"].compute) == (1902, 793)
+    assert round(extra_mb, 2) == 0.88
+    assert 1250 <= saved * 1e-6 * 1e12 / 1e6 / extra_mb < 1350  # systems of 64 for t = 1 us, beta = 1 TB/s
