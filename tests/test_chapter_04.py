@@ -70,6 +70,18 @@ def test_rhs_is_not_saved_so_its_buffer_may_be_reused():
     assert_close(d.grad, expected)
 
 
+def test_x_is_saved_so_modifying_it_in_place_breaks_backward():
+    """Section 4.3: saving x spares a second solve, but the caller must then not modify x in place."""
+    lower, diag, upper, rhs = make_system(5, seed=46)
+    d = diag.clone().requires_grad_()
+    x = LapackTridiagonalSolve.apply(lower, d, upper, rhs.unsqueeze(-1).clone())
+    loss = x.pow(2).sum()
+    with torch.no_grad():
+        x.zero_()
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        loss.backward()
+
+
 def test_the_package_backward_returns_every_gradient_and_autograd_drops_the_unneeded():
     """Section 4.4: the package's backward ignores ``ctx.needs_input_grad`` (it returns all four
     gradients), and autograd keeps only those of the inputs that need one."""
@@ -341,3 +353,37 @@ def test_vjp_fn_after_vjp_gets_plain_grad_x_and_saved_wrappers_that_detach_unwra
     assert seen == {"grad": True, "saved": False, "detached": True}
     torch.func.grad(lambda d: Peek.apply(d).sum())(diag)
     assert seen == {"grad": False, "saved": False, "detached": False}
+
+
+def test_under_torch_func_grad_forward_gets_tensors_with_storage_and_backward_gets_wrappers():
+    """Section 4.5(b): apply unwraps its inputs before forward, so forward may call .numpy(); the
+    backward's incoming gradient and saved tensors are wrappers without storage."""
+    lower, diag, upper, rhs = make_system(5, seed=52)
+    seen = []
+
+    def has_storage(t):
+        try:
+            t.data_ptr()
+            return True
+        except RuntimeError:
+            return False
+
+    class Peek(torch.autograd.Function):
+        @staticmethod
+        def forward(d):
+            seen.append(("forward", has_storage(d)))
+            return torch.from_numpy(d.detach().numpy() * 2)
+
+        @staticmethod
+        def setup_context(ctx, inputs, output):
+            ctx.save_for_backward(inputs[0])
+
+        @staticmethod
+        def backward(ctx, g):
+            (saved,) = ctx.saved_tensors
+            seen.append(("backward", has_storage(g) or has_storage(saved)))
+            return Peek.apply(g)                    # calling the Function again is fine
+
+    grad = torch.func.grad(lambda d: Peek.apply(d).sum())(diag)
+    assert_close(grad, torch.full_like(diag, 2.0))
+    assert seen == [("forward", True), ("backward", False), ("forward", True)]
