@@ -5,7 +5,8 @@ Jacobian bands are right, the implicit-function gradient (one transposed tridiag
 the unrolled one once Newton has converged and passes gradcheck, the implicit recipe for
 F = A x - b is chapter 3's rule, the implicit Function keeps the same bytes whatever the number of
 iterations, the gradient error follows the forward solve's tolerance, and under torch.compile the
-convergence test breaks the graph while a fixed number of iterations or a compiled step does not."""
+convergence test breaks the graph while a fixed number of iterations, a compiled step or a custom op
+does not, and torch.func.grad needs a backward by torch.func.vjp."""
 
 import pytest
 import torch
@@ -232,3 +233,92 @@ def test_second_derivatives_by_autograd_grad_on_fresh_views():
     implicit = hessian_vector(lambda t: NewtonSolveTwiceGrad.apply(t, f, h, 1e-10), theta, v)
     unrolled = hessian_vector(lambda t: newton(t, f, h, iterations=8), theta, v)
     assert (implicit - unrolled).abs().max() < 1e-10 * unrolled.abs().max()
+
+
+class NewtonSolveFunc(torch.autograd.Function):
+    """NewtonSolve with setup_context (forward without ctx), for torch.func."""
+
+    @staticmethod
+    def forward(theta, f, h, tol):
+        with torch.no_grad():
+            return newton(theta, f, h, tol=tol)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        theta, f, h, _ = inputs
+        ctx.save_for_backward(output, theta, f)
+        ctx.h = h
+
+    backward = staticmethod(NewtonSolve.backward)        # detached leaves, requires_grad_()
+
+
+def vjp_backward(ctx, g):
+    u, theta, f = ctx.saved_tensors
+    lam = tridiagonal_solve(*jacobian_bands(u, theta, ctx.h)[::-1], g)
+    _, residual_vjp = torch.func.vjp(lambda t, s: residual(u, t, s, ctx.h), theta, f)
+    return *residual_vjp(-lam), None, None
+
+
+class NewtonSolveFuncVjp(NewtonSolveFunc):
+    backward = staticmethod(vjp_backward)
+
+
+def test_torch_func_grad_needs_a_vjp_backward_not_only_setup_context():
+    h, f, theta = problem()
+    t = theta.clone().requires_grad_()
+    implicit, = torch.autograd.grad(loss_of(NewtonSolve.apply(t, f, h, 1e-10)), t)
+    with pytest.raises(RuntimeError, match="requires_grad_"):
+        torch.func.grad(lambda s: loss_of(NewtonSolveFunc.apply(s, f, h, 1e-10)))(theta)
+    by_func = torch.func.grad(lambda s: loss_of(NewtonSolveFuncVjp.apply(s, f, h, 1e-10)))(theta)
+    assert (by_func - implicit).abs().max() < 1e-12 * implicit.abs().max()
+
+
+@pytest.mark.slow
+def test_a_custom_op_compiles_as_one_graph_and_the_function_as_two():
+    h, f, theta = problem()
+
+    @torch.library.custom_op("test_chapter10::newton_solve", mutates_args=())
+    def newton_solve_op(theta: torch.Tensor, f: torch.Tensor, h: float) -> torch.Tensor:
+        return newton(theta, f, h)
+
+    @newton_solve_op.register_fake
+    def _(theta, f, h):
+        return torch.empty_like(f)
+
+    def setup_context(ctx, inputs, output):
+        theta, f, h = inputs
+        ctx.save_for_backward(output, theta, f)
+        ctx.h = h
+
+    newton_solve_op.register_autograd(lambda ctx, g: vjp_backward(ctx, g)[:3], setup_context=setup_context)
+    t = theta.clone().requires_grad_()
+    implicit, = torch.autograd.grad(loss_of(NewtonSolve.apply(t, f, h, 1e-10)), t)
+
+    def op_loss(s):
+        return loss_of(newton_solve_op(s, f, h))
+
+    explained = torch._dynamo.explain(op_loss)(t)
+    torch.compiler.reset()
+    assert explained.graph_count == 1 and explained.graph_break_count == 0
+    compiled, = torch.autograd.grad(torch.compile(op_loss, fullgraph=True)(t), t)
+    torch.compiler.reset()
+    assert (compiled - implicit).abs().max() < 1e-12 * implicit.abs().max()
+
+    class FixedCount(NewtonSolve):
+        @staticmethod
+        def forward(ctx, theta, f, h, iterations):
+            with torch.no_grad():
+                u = newton(theta, f, h, iterations=iterations)
+            ctx.save_for_backward(u, theta, f)
+            ctx.h = h
+            return u
+
+    def function_loss(s):
+        return loss_of(FixedCount.apply(s, f, h, 8))
+
+    explained = torch._dynamo.explain(function_loss)(t)
+    torch.compiler.reset()
+    assert explained.graph_count == 2
+    with pytest.raises(torch._dynamo.exc.Unsupported, match="layout"):
+        torch.compile(function_loss, fullgraph=True)(t)
+    torch.compiler.reset()
