@@ -297,3 +297,15 @@ def test_a_compiled_objective_compiles_once_for_later_fits():
     finally:
         torch.compiler.reset()
     assert len(compiled) == 1
+
+
+def test_factoring_once_has_no_cpp_kernel_on_the_cpu():
+    """Section 9.10: on the CPU the factor/solve pair runs LAPACK through SciPy; there is no C++
+    kernel for it, so the default solve's C++ kernel competes with SciPy's ?gttrf/?gttrs."""
+    from tridiag_tutorial import kernels
+
+    off, diag = -torch.ones(4, dtype=DTYPE), 3 * torch.ones(5, dtype=DTYPE)
+    assert kernels.choose_factor_driver("cpu") == "lapack"
+    assert "cpp" not in kernels.FACTOR_DRIVERS
+    with pytest.raises(ValueError, match="solves without factors only"):
+        tt.tridiagonal_lu_factor(off, diag, off, driver="cpp")
