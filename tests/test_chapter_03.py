@@ -4,7 +4,8 @@ solve on them, the conjugations matter for complex inputs, chapter 5's custom op
 batch rule, no forward rule) gives zero tangents, with no warning, under torch.func.jvp on this torch version but the
 right ones by double backward, torch.func.jvp through special_zeta raises, JAX's tridiagonal solve carries the same rules, and PyTorch's derivatives.yaml pairs both rules for its
 dense solve. The complex forward rule needs no conjugation and matches the dense solve's jvp and
-gradcheck with check_forward_ad=True."""
+gradcheck with check_forward_ad=True. The op's jvp and backward pass the dot-product test
+of exercise 2."""
 
 import pathlib
 import warnings
@@ -196,3 +197,18 @@ def test_the_complex_forward_rule_needs_no_conjugation():
     assert (dx_conjugated - dx_dense).abs().max() > 0.01
     inputs = [p.clone().requires_grad_() for p in (lower, diag, upper, b)]
     assert torch.autograd.gradcheck(tridiagonal_solve, inputs, check_forward_ad=True)
+
+
+def test_the_ops_jvp_and_backward_pass_the_dot_product_test():
+    """Exercise 2: <g, J u> from the op's jvp equals <J^T g, u> from its backward (torch.func.vjp)."""
+    lower, diag, upper = bands(9, seed=9)
+    gen = torch.Generator().manual_seed(10)
+    b, g = (torch.randn(9, dtype=torch.float64, generator=gen) for _ in range(2))
+    primals = (lower, diag, upper, b)
+    direction = tuple(torch.randn(p.shape, dtype=p.dtype, generator=gen) for p in primals)
+    _, dx = torch.func.jvp(tridiagonal_solve, primals, direction)
+    _, vjp_fn = torch.func.vjp(tridiagonal_solve, *primals)
+    lhs = torch.dot(g, dx)
+    rhs = sum(torch.dot(r, u) for r, u in zip(vjp_fn(g), direction))
+    assert lhs.abs() > 0.01
+    assert abs(lhs - rhs) < 1e-12 * max(1.0, lhs.abs().item())
