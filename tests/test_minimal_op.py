@@ -140,12 +140,16 @@ def test_compiled_forward_mode_raises():
         torch.compiler.reset()
         with pytest.raises(Exception, match="forward-mode AD .* inside torch.compile is not supported"):
             torch.compile(job, backend="aot_eager", fullgraph=True)()
-        torch.compiler.reset()  # without fullgraph, the op itself refuses the tangent at run time
-        with pytest.raises(NotImplementedError, match="forward-mode AD reached the op|active forward-AD level"):
-            torch.compile(job, backend="aot_eager")()
+    # without fullgraph, jvp's refusal while tracing becomes a graph break, and solve runs eagerly;
+    # dual numbers made inside meet the op's own refusal
     torch.compiler.reset()
-    with pytest.raises(NotImplementedError, match="forward-mode AD reached the op|active forward-AD level"):
-        jvp(torch.compile(lambda x: solve(dl, x, du, b), backend="aot_eager"), (d,), (ones,))
+    close(torch.compile(tangent, backend="aot_eager")(), jvp(lambda x: dense(dl, x, du, b), (d,), (ones,))[1])
+    torch.compiler.reset()
+    with pytest.raises(Exception, match="forward-mode AD reached the op|active forward-AD level"):
+        torch.compile(dual_numbers, backend="aot_eager")()
+    torch.compiler.reset()
+    close(jvp(torch.compile(lambda x: solve(dl, x, du, b), backend="aot_eager"), (d,), (ones,))[1],
+          jvp(lambda x: dense(dl, x, du, b), (d,), (ones,))[1])  # a graph break, then eager
     torch.compiler.reset()
 
 
@@ -296,61 +300,43 @@ def test_the_refusal_lets_an_unrelated_error_through(monkeypatch):
 
 
 @pytest.mark.slow
-def test_a_compiled_call_inside_a_dual_level_raises_on_the_graphs_first_run_only():
-    """Chapter 8's table: the first run of a compiled graph inside a dual level refuses even without
-    tangents; later runs are right without tangents and still refuse with them."""
-    dl, d, du, b = system(6)
-    ones = torch.ones_like(d)
-    for with_tangent in (False, True):
-        torch.compiler.reset()
-        compiled = torch.compile(lambda x: solve(dl, x, du, b), backend="aot_eager", fullgraph=True)
-        with fwAD.dual_level():
-            x = fwAD.make_dual(d, ones) if with_tangent else d
-            with pytest.raises(NotImplementedError, match="active forward-AD level"):
-                compiled(x)
-            if with_tangent:
-                with pytest.raises(NotImplementedError, match="forward-mode AD reached the op"):
-                    compiled(x)
-            else:
-                close(compiled(x), dense(dl, d, du, b))
-    # A first call outside the level does not warm it up: inside, the first run refuses again.
-    torch.compiler.reset()
-    compiled = torch.compile(lambda x: solve(dl, x, du, b), backend="aot_eager", fullgraph=True)
-    close(compiled(d), dense(dl, d, du, b))
-    with fwAD.dual_level(), pytest.raises(NotImplementedError, match="active forward-AD level"):
-        compiled(d)
-    torch.compiler.reset()
-
-
-@pytest.mark.slow
-def test_the_first_run_refusal_comes_from_aotautograds_alias_check_and_warming_from_a_level_guard():
-    """Chapter 8's causes: with AOTAutograd's first-run aliasing check off, a compiled call's first
-    run inside a dual level is right; warming solve outside fails because tracing unpack_dual makes
-    Dynamo guard on the forward-AD level, so it recompiles inside (the op alone is not recompiled)."""
-    import torch._functorch.config as functorch_config
+def test_compiled_code_traced_inside_a_dual_level_raises_on_every_call():
+    """Chapter 8's table: traced inside a dual level, the fake kernel refuses, with or without
+    tangents, on every call (each call traces again). A graph traced outside and run inside without
+    recompiling is right without tangents (the op alone), but solve recompiles there: tracing
+    unpack_dual makes Dynamo guard on the forward-AD level."""
     from torch._dynamo.utils import guard_failures
 
     dl, d, du, b = system(6)
+    ones = torch.ones_like(d)
     for solver in (solve, _solve_op):
-        torch.compiler.reset()
-        compiled = torch.compile(lambda x: solver(dl, x, du, b), backend="aot_eager", fullgraph=True)
-        with functorch_config.patch(check_custom_op_aliasing=False), fwAD.dual_level():
-            close(compiled(d), dense(dl, d, du, b))
+        for with_tangent in (False, True):
+            torch.compiler.reset()
+            compiled = torch.compile(lambda x: solver(dl, x, du, b), backend="aot_eager", fullgraph=True)
+            with fwAD.dual_level():
+                x = fwAD.make_dual(d, ones) if with_tangent else d
+                for _ in range(2):
+                    with pytest.raises(Exception, match="active forward-AD level"):
+                        compiled(x)
     failed = {}
     for name, solver in (("solve", solve), ("op", _solve_op)):
         torch.compiler.reset()
         compiled = torch.compile(lambda x: solver(dl, x, du, b), backend="aot_eager", fullgraph=True)
-        compiled(d)
+        close(compiled(d), dense(dl, d, du, b))  # traced outside the level
         guard_failures.clear()
         with fwAD.dual_level():
-            try:
-                compiled(d)
-            except NotImplementedError:
-                pass
+            if name == "op":
+                close(compiled(d), dense(dl, d, du, b))  # no recompile: the graph runs the kernel
+                with pytest.raises(NotImplementedError, match="forward-mode AD reached the op"):
+                    compiled(fwAD.make_dual(d, ones))  # dual numbers reach the kernel's check
+            else:
+                with pytest.raises(Exception, match="active forward-AD level"):
+                    compiled(d)
         failed[name] = [reason for reasons in guard_failures.values() for reason in reasons]
-    assert len(failed["solve"]) == 1 and "_current_level == -1" in failed["solve"][0], failed
+    assert any("_current_level == -1" in reason for reason in failed["solve"]), failed
     assert failed["op"] == [], failed
     torch.compiler.reset()
+
 
 @pytest.mark.slow
 def test_the_function_alone_cannot_compile_a_loss_for_backward_but_solve_can():
@@ -382,10 +368,10 @@ def test_torch_export_traces_solve_to_the_op():
     close(exported.module()(dl, d, du, b), dense(dl, d, du, b))
 
 
-def test_the_private_torch_names_it_uses_are_the_three_it_names():
-    """The module is built on public APIs except three private reads it documents: the text of
-    torch's unpack_dual error, functorch's stack of active transforms and the key set below
-    ADInplaceOrView."""
+def test_the_private_torch_names_it_uses_are_the_four_it_names():
+    """The module is built on public APIs except four private reads it documents: the text of
+    torch's unpack_dual error, functorch's stack of active transforms, the key set below
+    ADInplaceOrView and the active forward-AD level."""
     import ast
     from pathlib import Path
 
@@ -398,7 +384,8 @@ def test_the_private_torch_names_it_uses_are_the_three_it_names():
                        "torch._functorch.pyfunctorch.retrieve_all_functorch_interpreters"]
     attributes = {node.attr for node in ast.walk(tree) if isinstance(node, ast.Attribute)
                   and node.attr.startswith("_") and not node.attr.startswith("__")}
-    assert attributes <= {"_solve_op", "_calls", "_library"} | {"_fw_primal", "_C", "_after_ADInplaceOrView_keyset"}, attributes
+    assert attributes <= {"_solve_op", "_calls", "_library"} | {"_fw_primal", "_C", "_after_ADInplaceOrView_keyset",
+                                                               "_current_level"}, attributes
 
 
 def test_the_forward_transform_count_also_refuses_an_outer_jacfwd_that_never_reaches_solve():
@@ -431,3 +418,24 @@ def test_dual_numbers_and_a_torch_func_jvp_nested_either_way_are_refused_by_torc
 
     with pytest.raises(RuntimeError, match="Nested forward mode AD is not supported"):
         jvp(duals_inside, (d,), (t_out,))
+
+
+def test_the_op_alone_refuses_dual_numbers_made_inside_compiled_code():
+    """Traced, the op has no forward rule: before the fake kernel refused inside a dual level, dual
+    numbers made inside a compiled function came out of the op alone with a zero tangent."""
+    dl, d, du, b = system(6)
+    ones = torch.ones_like(d)
+
+    def tangent(solver):
+        with fwAD.dual_level():
+            return fwAD.unpack_dual(solver(dl, fwAD.make_dual(d, ones), du, b)).tangent
+
+    assert jvp(lambda x: dense(dl, x, du, b), (d,), (ones,))[1].abs().max() > 0.01
+    for solver in (_solve_op, solve):
+        torch.compiler.reset()
+        with pytest.raises(Exception, match="forward-AD level|forward-mode AD"):
+            torch.compile(lambda: tangent(solver), backend="aot_eager", fullgraph=True)()
+    torch.compiler.reset()
+    # outside a dual level the fake kernel traces as before
+    close(torch.compile(lambda: _solve_op(dl, d, du, b), backend="aot_eager", fullgraph=True)(), dense(dl, d, du, b))
+    torch.compiler.reset()

@@ -1,7 +1,8 @@
 r"""Chapter 8: an operator you can copy, a tridiagonal solve on public torch APIs (it also reads
 the text of one torch error message, in ``_refuse_tangents``, functorch's private stack of
-active transforms, in ``_count_forward_level`` and ``_refuse_func_forward``, and the private set of
-dispatch keys below ``ADInplaceOrView``, in ``_refuse_func_forward``).
+active transforms, in ``_count_forward_level`` and ``_refuse_func_forward``, the private set of
+dispatch keys below ``ADInplaceOrView``, in ``_refuse_func_forward``, and the private active
+forward-AD level, in the fake kernel).
 
 ``solve(dl, d, du, b)`` returns ``x`` with ``A x = b``, where ``A`` has the sub-diagonal ``dl``
 ``(..., n-1)``, the diagonal ``d`` ``(..., n)`` and the super-diagonal ``du`` ``(..., n-1)``, and
@@ -24,8 +25,8 @@ Two public mechanisms, each with a gap on torch 2.13, and ``solve`` picks betwee
   under ``fullgraph=True``.
 
 So eager code runs the Function and traced code the op. Where neither is right (forward mode
-inside ``torch.compile``, ``make_fx`` or a compiled graph's first run inside a dual level, forward
-over forward), ``solve`` raises instead of answering wrongly.
+inside ``torch.compile``, tracing inside a dual level, forward over forward), ``solve`` raises
+instead of answering wrongly.
 The op stays private (``_solve_op``): called alone, or through a ``torch.export`` graph, it
 refuses forward mode, which ``solve`` supplies eagerly.
 """
@@ -87,6 +88,11 @@ def _solve_op(dl: torch.Tensor, d: torch.Tensor, du: torch.Tensor, b: torch.Tens
 @_solve_op.register_fake
 def _(dl, d, du, b):
     _check(dl, d, du, b, devices=("cpu", "meta"))  # the fake kernel also serves meta tensors
+    if fwAD._current_level >= 0:  # private: the active forward-AD level, -1 outside dual_level
+        raise NotImplementedError(  # traced, the op has no forward rule: any tangent would be lost
+            "tridiag_minimal.solve: traced inside an active forward-AD level (dual_level), as by "
+            "torch.compile or make_fx, the op refuses, with or without tangents on its inputs; call "
+            "compiled code outside dual levels, and use jvp, jacfwd or dual numbers on uncompiled calls")
     return torch.empty_like(b, memory_format=torch.contiguous_format)  # shape, dtype, strides
 # [/book: minimal-op]
 
@@ -96,13 +102,12 @@ def _refuse_tangents(*tensors):
     """The op has no forward-mode rule: a tangent that reaches it would be dropped, so raise."""
     try:
         lost = any(fwAD.unpack_dual(t).tangent is not None for t in tensors)
-    except RuntimeError as error:  # make_fx, or a compiled graph's first run (AOTAutograd's aliasing
-        # check runs the real kernel under a dispatch mode), inside a dual level
+    except RuntimeError as error:  # make_fx (torch.func.linearize) inside a dual level
         if "_fw_primal" not in str(error):  # any other error is not this one: let it through
             raise
         raise NotImplementedError(
-            "tridiag_minimal.solve: a call under make_fx (as in torch.func.linearize) or a compiled "
-            "graph's first run inside an active forward-AD level (dual_level) cannot see tangents, so it "
+            "tridiag_minimal.solve: a call under make_fx (as in torch.func.linearize) inside an active "
+            "forward-AD level (dual_level) cannot see tangents, so it "
             "refuses, with or without tangents on its inputs; use jvp, jacfwd or dual numbers on "
             "uncompiled calls") from None
     if lost:
