@@ -449,3 +449,39 @@ def test_the_timing_prose_quotes_the_stored_timing_output():
     assert f"faster in {diff[3]} of {diff[4]} rounds" in prose
     alone = re.findall(r"^LAPACK, parent process alone.*?\s([\d.]+) ms", out, re.M)
     assert f"strided views of the gathered system: {alone[1]} against {alone[0]}" in prose
+    keep = [float(v) for v in re.search(r"keep the rank's rows\s+([\d.]+) ms.*\|\s+([\d.]+) ms",
+                                        out).groups()]
+    estimate = gather - sum(keep) / 2 - (float(alone[1]) - float(alone[0]))  # without scan and views
+    assert f"roughly {5 * round(estimate / 5)} ms" in prose
+    step2 = [float(q) for q in re.findall(r"2\. all_gather of the ends\s+[\d.]+ ms \(([\d.]+) to", out)
+             + re.findall(r"2\. all_gather of the ends.*\|\s+[\d.]+ ms \(([\d.]+) to", out)]
+    assert f"lower quartiles of {min(step2)} to {max(step2)} ms" in prose
+    summary = " ".join(next("".join(c["source"]) for c in cells
+                            if "## 17.7 Summary" in "".join(c["source"])).split())
+    assert f"refinement made it about {refined / plain:.0f} times slower" in summary
+
+
+@pytest.mark.slow
+def test_fsdp2_on_a_submodule_frees_the_bands_and_trains_as_one_process(tmp_path, monkeypatch):
+    """Section 17.3's second run: the worker module the notebook writes (bands in a submodule
+    sharded before the root), written and run here."""
+    import textwrap
+
+    cells = json.loads((Path(__file__).resolve().parents[1] / "notebooks" / "17_distributed.ipynb")
+                       .read_text())["cells"]
+    source = next("".join(c["source"]) for c in cells
+                  if c["cell_type"] == "code" and "def nested_fsdp_worker" in "".join(c["source"]))
+    (tmp_path / "chapter_17_fsdp_workers.py").write_text(textwrap.dedent(source.split("'''")[1]))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import chapter_17_fsdp_workers
+
+    ranks = run_on_ranks(chapter_17_fsdp_workers.nested_fsdp_worker, 2)
+    reference = parallel_demos.train_one_process()
+    assert [r["between"] for r in ranks] == ["DTensor, (8,) entries of lower",
+                                             "DTensor, (7,) entries of lower"]
+    for r in ranks:
+        assert r["seen"] == ["Parameter"] * 3  # the op received plain, full tensors
+        assert r["gradient"] == "DTensor"
+        assert _max_difference(r["parameters"], reference["parameters"]) < 1e-12
+        torch.testing.assert_close(torch.tensor(r["losses"]), torch.tensor(reference["losses"]),
+                                   rtol=1e-12, atol=0)
