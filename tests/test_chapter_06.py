@@ -396,3 +396,71 @@ def test_after_warm_up_the_timed_calls_run_compiled_graphs_without_compiling():
             compiled(*[t.float() for t in system(9)])  # float32: a guard fails
     assert counter.frame_count == 2
     torch.compiler.reset()
+
+
+@torch_trap
+def test_the_dense_compiled_backward_saves_no_input_so_second_derivatives_are_none():
+    """Section 6.2: the op's compiled backward takes the input bands (so double backward raises);
+    the dense solve's takes only tensors computed in the forward graph, so its second derivatives
+    come back None with allow_unused=True, and without it grad raises that an input was unused."""
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
+
+    placeholders = {}
+    for name, solve in [("op", tridiagonal_solve_custom_op), ("dense", dense_solve)]:
+        def bw_compiler(gm, example_inputs, name=name):
+            placeholders[name] = [node.name for node in gm.graph.nodes if node.op == "placeholder"]
+            return make_boxed_func(gm.forward)
+
+        backend = aot_autograd(fw_compiler=lambda gm, _: make_boxed_func(gm.forward),
+                               bw_compiler=bw_compiler)
+        inputs = system(6, seed=6, requires_grad=True)
+        first = torch.autograd.grad(torch.compile(loss_of(solve), fullgraph=True, backend=backend)(*inputs),
+                                    inputs, create_graph=True)
+        if name == "dense":
+            assert all(g is None for g in torch.autograd.grad(first[1].sum(), inputs, allow_unused=True))
+            with pytest.raises(RuntimeError, match="not have been used"):
+                torch.autograd.grad(first[1].sum(), inputs)
+        torch.compiler.reset()
+    assert sum(p.startswith("primals") for p in placeholders["op"]) == 3  # lower, diag, upper
+    assert not any(p.startswith("primals") for p in placeholders["dense"])
+
+
+@torch_trap
+def test_chapter_4_compiled_dynamic_makes_13_graphs_for_both_grad_settings():
+    """Section 6.3: explain counts 7 graphs; compiled with dynamic=True the size reads add graphs,
+    and the pieces inside the Function's forward serve both grad settings (13, not 2 x 7)."""
+    from tridiag_tutorial.book.autograd_function import tridiagonal_solve_function
+
+    def workload(a, theta, c, b):
+        lower, diag, upper, rhs = 0.5 * a.clamp(-1, 1), 3.0 + theta * theta, 0.5 * c.clamp(-1, 1), 2.0 * b + 1.0
+        x = tridiagonal_solve_function(lower, diag, upper, rhs)
+        return (x * x).sum()
+
+    torch.compiler.reset()
+    assert torch._dynamo.explain(workload)(*system(100)).graph_count == 7
+    torch.compiler.reset()
+    counter = CompileCounterWithBackend("eager")
+    compiled = torch.compile(workload, dynamic=True, backend=counter)
+    inputs = system(100, requires_grad=True)
+    torch.autograd.grad(compiled(*inputs), inputs)
+    with_grad = counter.frame_count
+    compiled(*system(100))
+    assert (with_grad, counter.frame_count) == (9, 13)
+    torch.compiler.reset()
+
+
+@torch_trap
+def test_a_function_with_jvp_compiles_with_a_graph_break_without_fullgraph():
+    """Section 6.6: without fullgraph=True, Dynamo breaks the graph at the Function with a jvp,
+    and the compiled gradients equal eager mode's."""
+    lower, diag, upper, rhs = system(7, seed=9)
+    inputs = [t.requires_grad_() for t in (lower, diag, upper, rhs.unsqueeze(-1))]
+    with_jvp = lambda *a: SolveWithJvp.apply(*a).square().sum()  # noqa: E731
+    torch.compiler.reset()
+    assert torch._dynamo.explain(with_jvp)(*inputs).graph_count == 2
+    torch.compiler.reset()
+    value = torch.compile(with_jvp, backend="aot_eager")(*inputs)
+    for g, e in zip(torch.autograd.grad(value, inputs), torch.autograd.grad(with_jvp(*inputs), inputs)):
+        torch.testing.assert_close(g, e)
+    torch.compiler.reset()
