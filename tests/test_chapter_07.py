@@ -5,6 +5,10 @@ on other inputs.
 """
 
 import gc
+import inspect
+import json
+import re
+from pathlib import Path
 from unittest import mock
 
 import pytest
@@ -307,3 +311,52 @@ def test_grad_calls_the_function_again_in_its_backward():
     assert calls(lambda: grad(loss)(diag)) == ["forward", "backward"]
     assert calls(with_autograd(create_graph=True)) == ["forward", "backward"]
     assert calls(with_autograd(create_graph=False)) == ["forward"]
+
+
+CHAPTER = Path(__file__).resolve().parents[1] / "notebooks" / "07_torch_func.ipynb"
+
+
+def shown_block(starts_with):
+    """The fenced Python block of the chapter's markdown whose code starts with ``starts_with``."""
+    cells = json.loads(CHAPTER.read_text())["cells"]
+    blocks = [block for c in cells if c["cell_type"] == "markdown"
+              for block in re.findall(r"```python\n(.*?)```", "".join(c["source"]), re.S)]
+    (block,) = [b for b in blocks if b.startswith(starts_with)]
+    return block
+
+
+def test_the_hand_written_cube_vmap_rule_the_chapter_shows_batches_every_transform():
+    """Section 7.7 shows a hand-written vmap staticmethod for the cube: run that text."""
+    scope = {"Cube": Cube}
+    exec(shown_block("class CubeBatched(Cube):"), scope)
+    cube = scope["CubeBatched"].apply
+    xs = torch.tensor([0.5, -1.0, 2.5], dtype=F64)
+    torch.testing.assert_close(vmap(cube)(xs), xs**3)
+    torch.testing.assert_close(vmap(cube, in_dims=1)(xs[None]), (xs**3)[:, None])
+    torch.testing.assert_close(vmap(grad(cube))(xs), 3 * xs**2)
+    torch.testing.assert_close(jacfwd(cube)(xs), torch.diag(3 * xs**2))
+    assert hessian(cube)(torch.tensor(2.0, dtype=F64)).item() == pytest.approx(12.0)
+
+
+def test_the_batch_rule_the_chapter_shows_is_the_packages():
+    """Section 7.7 quotes functions._batch_rule without its docstring: it must be the current code."""
+    source = inspect.getsource(functions._batch_rule)
+    without_docstring = re.sub(r'\n    """.*?"""\n', "\n", source, count=1, flags=re.S)
+    assert without_docstring != source
+    assert shown_block("def _batch_rule(") == without_docstring
+
+
+@pytest.mark.slow  # three collections of the garbage collector
+@torch_trap
+def test_create_graph_raises_the_peak_by_retaining_and_by_recording():
+    """Section 7.2: create_graph=True implies retain_graph=True (the forward's saved arrays stay)
+    and records the backward; each alone raises the peak over a plain autograd.grad."""
+    x = torch.linspace(-1.0, 1.0, 10_000, dtype=F64)
+
+    def retained(t):
+        t = t.detach().requires_grad_()
+        return torch.autograd.grad(chain_loss(t), t, retain_graph=True)[0]
+
+    plain, kept = peak(with_autograd_grad, x), peak(retained, x)
+    recorded = peak(lambda t: with_autograd_grad(t, create_graph=True), x)
+    assert plain < kept < recorded
