@@ -5,6 +5,7 @@ import re
 import shutil
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -193,3 +194,66 @@ def test_libtorch_cpu_defines_the_c_functions_and_libc10_only_what_libstdcxx_has
     libstdcxx = re.search(r"libstdc\+\+\.so\.6 => (/\S+)", located)
     assert libstdcxx, located
     assert from_c10 <= _dynamic_symbols(libstdcxx[1], "--defined-only")
+
+
+COMPOSITE_ON_META = """
+import sys
+import torch
+torch.ops.load_library(sys.argv[1])
+op = torch.ops.tridiag_tutorial
+for name in ("solve", "solve_kernel", "lu_factor", "cpp_solve"):
+    meta = [line for line in torch._C._dispatch_dump_table("tridiag_tutorial::" + name).splitlines()
+            if line.startswith("Meta:")]  # private: the computed dispatch table, looked at only
+    print(name, "tridiag.cpp" in meta[0])
+bands = [torch.empty(shape, dtype=torch.float64, device="meta") for shape in ((3,), (4,), (3,), (4, 1))]
+try:
+    op.solve(*bands, None, None, "N", "cpp")
+    print("solve ran")
+except RuntimeError as error:  # the composite kernel's own check, on meta tensors
+    print("solve", "CPU tensors only" in str(error), "import" in str(error))
+try:
+    op.cpp_solve(*bands)
+    print("cpp_solve ran")
+except NotImplementedError as error:  # no kernel fills Meta: the missing-fake error a pystub extends
+    print("cpp_solve", type(error).__name__, "fake impl" in str(error))
+"""
+
+
+def test_the_composite_kernel_fills_meta_so_meta_tensors_reach_its_cpu_check():
+    """Sections 14.3, 14.6 and 14.7: with only the library loaded, the CompositeExplicitAutograd
+    kernel of solve, solve_kernel and lu_factor also fills the Meta key, so meta (and the
+    compiler's fake) tensors run it and fail its CPU check, with no module to import named: a
+    pystub's hint could not show there. cpp_solve, with a CPU kernel only, has nothing on Meta."""
+    require_cpp()
+    run = subprocess.run([sys.executable, "-c", COMPOSITE_ON_META, str(compiled.library_path())],
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert run.stdout.split("\n")[:-1] == [
+        "solve True", "solve_kernel True", "lu_factor True", "cpp_solve False",
+        "solve True False", "cpp_solve NotImplementedError True"]
+
+
+def test_the_packages_fake_kernel_replaces_the_composite_one_on_meta():
+    """Section 14.7: importing the package registers solve's fake kernel from Python, on Meta."""
+    require_cpp()
+    meta = [line for line in torch._C._dispatch_dump("tridiag_tutorial::solve").splitlines()
+            if line.startswith("Meta:")]
+    assert len(meta) == 1 and ".py:" in meta[0], meta
+
+
+def test_opcheck_flags_an_op_without_an_autograd_kernel():
+    """Section 14.3: `opcheck`'s test_autograd_registration fails for an op with a CPU kernel and a
+    fake kernel but no autograd kernel, given an input that requires grad."""
+    lib = torch.library.Library("ch14_test_no_autograd", "DEF")
+    lib.define("neorelu(Tensor x) -> Tensor")
+    lib.impl("neorelu", lambda x: torch.where(x > 0, x, -0.1), "CPU")
+    torch.library.register_fake("ch14_test_no_autograd::neorelu", lambda x: x.new_empty(x.shape),
+                                lib=lib)
+    x = torch.randn(4, dtype=torch.float64, requires_grad=True)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*autograd kernel was not registered")
+        results = torch.library.opcheck(torch.ops.ch14_test_no_autograd.neorelu, (x,),
+                                        raise_exception=False)
+    assert results["test_schema"] == "SUCCESS"
+    assert isinstance(results["test_autograd_registration"], Exception)
+    assert "autograd kernel" in str(results["test_autograd_registration"])
