@@ -251,3 +251,58 @@ def test_under_torch_compile_the_fake_kernels_value_error_arrives_wrapped():
         torch.compiler.reset()
     assert not isinstance(caught.value, ValueError)
     assert "scale_compile: d and b must have one shape; got (3,), (2,)" in str(caught.value)
+
+
+def _chapter_checks():
+    """The chapter's ``_check_inputs`` (and ``_shapes``), from the notebook's cell."""
+    cells = ["".join(c["source"]) for c in json.loads(CHAPTER.read_text())["cells"] if c["cell_type"] == "code"]
+    (source,) = [c for c in cells if "def _check_inputs(" in c]
+    defs = [node for node in ast.parse(source).body if isinstance(node, ast.FunctionDef)]
+    namespace = {"torch": torch}
+    exec(compile(ast.Module(body=defs, type_ignores=[]), str(CHAPTER), "exec"), namespace)
+    return namespace["_check_inputs"]
+
+
+def test_the_chapters_checks_raise_every_error_its_specification_lists():
+    # section 11.2, Errors: dense tensors and one dtype (TypeError), one device and shapes (ValueError)
+    check = _chapter_checks()
+    d, e, b = torch.full((3,), 4.0, dtype=DTYPE), torch.ones(2, dtype=DTYPE), torch.ones(3, dtype=DTYPE)
+    assert check(d, e, b) is None and check(d, e, b[:, None]) is None
+    with pytest.raises(TypeError, match="float32 or all float64"):
+        check(d, e.float(), b)
+    with pytest.raises(TypeError, match="dense"):
+        check(d, e, b.to_sparse())
+    with pytest.raises(ValueError, match="one device"):
+        check(d, e.to("meta"), b)
+    with pytest.raises(ValueError, match=r"got d\(3,\), e\(1,\), b\(3,\)"):
+        check(d, e[:1], b)
+
+
+@torch_trap
+def test_register_autograds_kernel_runs_without_grad_and_inference_mode_skips_it():
+    # section 11.4's layers: the Python Autograd kernel that register_autograd installs runs on a
+    # call where nothing requires grad; under torch.inference_mode() the dispatcher skips it
+    import sys
+    op = _diagonal_op("scale_layers")
+    d, b = torch.tensor([2.0, 4.0], dtype=DTYPE), torch.tensor([1.0, 3.0], dtype=DTYPE)
+    calls = []
+
+    def profile(frame, event, arg):
+        if event == "call" and frame.f_code.co_name == "autograd_impl":
+            calls.append(frame.f_code.co_filename)
+
+    def count(call):
+        calls.clear()
+        sys.setprofile(profile)
+        try:
+            call()
+        finally:
+            sys.setprofile(None)
+        return len(calls)
+
+    def in_inference_mode():
+        with torch.inference_mode():
+            torch.ops.test_chapter_11.scale_layers.default(d, b)
+
+    assert count(lambda: op(d, b)) == 1, "register_autograd's kernel no longer runs without grad"
+    assert count(in_inference_mode) == 0
