@@ -3,6 +3,10 @@ eigen-decomposition, the explicit step's blow-up, partial pivoting on the zero- 
 systems, no row swaps under diagonal dominance, SciPy's raw ``?gtsv`` (info, n = 1) and
 ``solve_banded``, and the periodic (Sherman-Morrison) exercise."""
 
+import json
+import re
+from pathlib import Path
+
 import numpy as np
 import pytest
 import scipy.linalg
@@ -250,3 +254,59 @@ def test_solve_banded_does_not_check_a_1x1_system_for_zero_but_the_package_raise
     assert np.isinf(x).all()
     with pytest.raises(tt.SingularMatrixError):
         lapack.gtsv(np.array([]), np.array([0.0]), np.array([]), np.array([4.0]))
+
+
+NOTEBOOK = Path(__file__).resolve().parents[1] / "notebooks" / "02_tridiagonal_problem.ipynb"
+
+
+def stored_output(marker):
+    """The stored text output of the one code cell of chapter 2 whose output contains `marker`."""
+    cells = json.loads(NOTEBOOK.read_text())["cells"]
+    texts = ["".join("".join(out.get("text", "")) for out in cell.get("outputs", []))
+             for cell in cells if cell["cell_type"] == "code"]
+    (text,) = [text for text in texts if marker in text]
+    return text
+
+
+def prose():
+    """Chapter 2's Markdown, with every run of whitespace made one space."""
+    cells = json.loads(NOTEBOOK.read_text())["cells"]
+    return " ".join(" ".join("".join(c["source"]) for c in cells if c["cell_type"] == "markdown").split())
+
+
+def test_the_timings_section_2_5_quotes_are_the_stored_run():
+    """The timing cells are nbval-ignore-output: a new run changes their figures, and this fails until
+    the prose quotes the new ones."""
+    text = prose()
+    fit = stored_output("Python loop / dgtsv =")
+    ratio = int(re.search(r"Python loop / dgtsv = (\d+)x", fit).group(1))
+    per_row = re.search(r"(\d+) ns at n = 100,000", fit).group(1)
+    flop_time = re.search(r"would take ([\d.]+) ns", fit).group(1)
+    assert f"trails `dgtsv` only {ratio}-fold at $n = 10^5$" in text
+    assert f"`dgtsv` takes {per_row} ns a row" in text and f"would take {flop_time} ns" in text
+    assert "about 20-fold in the run shown" in text and abs(ratio - 20) <= 2
+
+    latency = stored_output("chained divisions")
+    median = lambda label, column: float(  # noqa: E731
+        re.search(rf"{label} +([\d.]+) \([^)]*\) +([\d.]+)", latency).group(column))
+    assert f"a chained division took about {round(median('chained divisions', 1))} ns" in text
+    assert median("independent divisions", 1) < 1 and "an independent one under 1 ns" in text
+    model = float(re.search(r"2 chained multiplications\) = ([\d.]+)", latency).group(1))
+    assert 0.9 < model < 1.1  # "the printed ratio near 1", yet only the order of magnitude counts
+
+    table = stored_output("LAPACK dgtsv, median ms per solve")
+    dgtsv_row = table.split("LAPACK dgtsv, median ms per solve")[1].splitlines()
+    sizes = [int(s.replace(",", "")) for s in dgtsv_row[1].split()]
+    ms = dict(zip(sizes, map(float, dgtsv_row[2].split())))
+    longer = [median("dgtsv \\(one solve\\)", col) / (ms[n] * 1e6 / n) - 1
+              for col, n in ((1, 10_000), (2, 1_000_000))]
+    assert all(0.10 <= x <= 0.15 for x in longer) and "took 10 to 15 % longer" in text
+    assert abs(model - 1) < min(longer)  # dgtsv drifts between cells more than the model's gap
+
+
+def test_the_tiny_pivot_figures_section_2_3_quotes_are_printed_there():
+    text, out = prose(), stored_output("Thomas:  x =")
+    assert "x = [1.0001 2.     3.     4.     5.     6.    ], relative error 9e-06" in out
+    assert "Thomas returns $x_0 = 1.0001$" in text and "norm-wise 9e-06" in text
+    norm_wise = float(re.search(r"relative error ([0-9.e+-]+)", out).group(1))
+    assert abs(norm_wise * np.sqrt(91) - 9e-5) < 0.5e-5  # the |x_0 - 1| the prose derives from it

@@ -244,3 +244,14 @@ def test_empty_like_with_contiguous_format_matches_new_empty():
     assert torch.empty_like(rhs_f).stride() == (1, 6)
     assert (torch.empty_like(rhs_f, memory_format=torch.contiguous_format).stride()
             == rhs_f.new_empty(rhs_f.shape).stride() == (3, 1))
+
+
+def test_the_autograd_kernel_records_only_when_grad_is_on_and_an_input_requires_grad():
+    """Section 5.5: every CPU tensor carries ``AutogradCPU``; the ``Autograd`` kernel decides."""
+    lower, diag, upper, rhs = make_system(6, (), 3, seed=57)
+    assert "AutogradCPU" in str(torch._C._dispatch_keys(rhs))
+    assert tridiagonal_solve_op(lower, diag, upper, rhs).grad_fn is None
+    d = diag.clone().requires_grad_()
+    assert tridiagonal_solve_op(lower, d, upper, rhs).grad_fn is not None
+    with torch.no_grad():
+        assert tridiagonal_solve_op(lower, d, upper, rhs).grad_fn is None
