@@ -125,6 +125,24 @@ def test_no_second_derivative():
 
 
 
+def test_autograd_grad_silently_drops_the_once_differentiable_term_when_another_path_exists():
+    """Section 4.5(c): the Error node hangs off detached outputs, so torch.autograd.grad on a loss
+    with another path to diag returns only that path's gradient, with no error; .backward() raises."""
+    args = make_system(5, seed=47)
+    inputs = leaves(args)
+    (grad_diag,) = torch.autograd.grad(tridiagonal_solve_function(*inputs).pow(2).sum(), inputs[1],
+                                       create_graph=True)
+    total = grad_diag.pow(2).sum() + inputs[1].pow(2).sum()
+    (second,) = torch.autograd.grad(total, inputs[1], retain_graph=True)
+    assert torch.equal(second, 2 * inputs[1])
+    d = args[1].clone().requires_grad_()
+    (first,) = torch.autograd.grad(dense_solve(args[0], d, args[2], args[3]).pow(2).sum(), d, create_graph=True)
+    (right,) = torch.autograd.grad(first.pow(2).sum() + d.pow(2).sum(), d)
+    assert (second - right).abs().max() > 1e-3 * right.abs().max()
+    with pytest.raises(RuntimeError, match="once_differentiable"):
+        total.backward()
+
+
 def test_without_once_differentiable_the_second_derivative_is_silently_wrong():
     """The same NumPy backward, undecorated: recorded only through the saved x, so v = A^{-T} g is
     a constant and the second derivative is wrong, with no error."""
