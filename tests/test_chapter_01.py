@@ -230,3 +230,12 @@ def test_the_worst_case_constants_do_not_bring_the_predicted_step_closer(kind):
     estimate, rule_of_thumb, with_constants = rules[kind]
     best = STEPS[int(np.argmin([np.abs(estimate(h) - np.cos(points)).mean() for h in STEPS]))]
     assert abs(math.log(best / rule_of_thumb)) < abs(math.log(best / with_constants))
+
+
+@pytest.mark.parametrize("difference, kind", [(forward_difference, "forward"), (central_difference, "central")])
+def test_the_best_step_of_the_mean_error_is_within_a_factor_two_of_the_rule_of_thumb(difference, kind):
+    points = np.random.default_rng(1).uniform(0.5, 1.5, size=100)  # the chapter's 100 points
+    sin = np.vectorize(math.sin)  # scalar float64 sin, as the chapter
+    mean = [np.abs(difference(sin, points, h) - np.cos(points)).mean() for h in STEPS]
+    ratio = STEPS[int(np.argmin(mean))] / optimal_step(kind)
+    assert 0.5 < ratio < 2
