@@ -360,3 +360,21 @@ def test_create_graph_raises_the_peak_by_retaining_and_by_recording():
     plain, kept = peak(with_autograd_grad, x), peak(retained, x)
     recorded = peak(lambda t: with_autograd_grad(t, create_graph=True), x)
     assert plain < kept < recorded
+
+
+@pytest.mark.slow  # three collections of the garbage collector
+@torch_trap
+def test_grad_peaks_below_create_graph_because_it_does_not_retain_the_graph():
+    """Section 7.2: torch.func.grad's backward passes create_graph=True but retain_graph=False, so it
+    peaks like autograd.grad called that way, below autograd.grad's create_graph=True (which retains)."""
+    source = inspect.getsource(torch._functorch.eager_transforms._autograd_grad)
+    assert re.search(r"retain_graph: bool = False", source)
+    x = torch.linspace(-1.0, 1.0, 10_000, dtype=F64)
+
+    def not_retained(t):
+        t = t.detach().requires_grad_()
+        return torch.autograd.grad(chain_loss(t), t, create_graph=True, retain_graph=False)[0]
+
+    func_grad = peak(grad(chain_loss), x)
+    kept = peak(lambda t: with_autograd_grad(t, create_graph=True), x)
+    assert func_grad == peak(not_retained, x) < kept
