@@ -212,3 +212,55 @@ def test_the_ops_jvp_and_backward_pass_the_dot_product_test():
     rhs = sum(torch.dot(r, u) for r, u in zip(vjp_fn(g), direction))
     assert lhs.abs() > 0.01
     assert abs(lhs - rhs) < 1e-12 * max(1.0, lhs.abs().item())
+
+
+def test_a_library_operator_gets_a_forward_rule_from_its_autograd_kernel():
+    """Section 3.10: a torch.library operator whose Autograd kernel is an autograd.Function with a
+    jvp gives the right tangents under torch.func.jvp (not the zeros of a custom_op)."""
+    import tridiag_tutorial.registration  # noqa: F401  (registers tridiag_tutorial::solve)
+
+    lower, diag, upper = bands(6, seed=7)
+    gen = torch.Generator().manual_seed(8)
+    b = torch.randn(6, 1, dtype=torch.float64, generator=gen)
+    tangents = tuple(torch.randn(p.shape, dtype=p.dtype, generator=gen) for p in (lower, diag, upper, b))
+
+    def op(lower, diag, upper, b):
+        return torch.ops.tridiag_tutorial.solve(lower, diag, upper, b, None, None, "N", "lapack")
+
+    _, dx_op = torch.func.jvp(op, (lower, diag, upper, b), tangents)
+    A, x = to_dense(lower, diag, upper), tridiagonal_solve(lower, diag, upper, b)
+    dx = torch.linalg.solve(A, tangents[3] - to_dense(*tangents[:3]) @ x)
+    assert dx.abs().max() > 0.01
+    assert torch.allclose(dx_op, dx, rtol=0, atol=1e-12)
+
+
+def test_the_package_backward_equals_the_formulas_with_several_columns():
+    """Section 3.4: the package column of the table is exactly zero (same solve, same products)."""
+    n, k = 7, 3
+    lower, diag, upper = bands(n, seed=9)
+    gen = torch.Generator().manual_seed(10)
+    B, T = (torch.randn(n, k, dtype=torch.float64, generator=gen) for _ in range(2))
+    leaves = [p.clone().requires_grad_() for p in (lower, diag, upper, B)]
+    X = tridiagonal_solve(*leaves)
+    (0.5 * (X - T).square().sum()).backward()
+    X = X.detach()
+    V = tridiagonal_solve(upper, diag, lower, X - T)
+    ours = [-(V[1:] * X[:-1]).sum(-1), -(V * X).sum(-1), -(V[:-1] * X[1:]).sum(-1), V]
+    for mine, leaf in zip(ours, leaves):
+        assert torch.equal(mine, leaf.grad)
+
+
+def test_the_prose_quotes_the_printed_backward_forward_ratio():
+    """Section 3.7's prose quotes the median ratio that the timing cell printed in the run shown."""
+    import json
+    import re
+
+    path = pathlib.Path(__file__).resolve().parents[1] / "notebooks" / "03_adjoint.ipynb"
+    cells = json.loads(path.read_text())["cells"]
+    printed = [m.group(1) for c in cells if c["cell_type"] == "code" for o in c.get("outputs", [])
+               for m in [re.search(r"backward / forward per round: median (\d+\.\d+)", "".join(o.get("text", "")))]
+               if m]
+    assert len(printed) == 1
+    quoted = [c for c in cells if c["cell_type"] == "markdown" and "times as long as the forward" in "".join(c["source"])]
+    assert len(quoted) == 1
+    assert f"a median {printed[0]} times as long" in "".join(quoted[0]["source"]).replace("\n", " ")
