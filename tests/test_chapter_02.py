@@ -66,9 +66,9 @@ def test_gtsv_pivots_past_a_zero_pivot():
     assert lapack.gttrf(lower, diag, upper).ipiv.tolist() == [2, 2, 3, 4, 5, 6]
 
 
-def test_a_tiny_pivot_costs_elimination_without_pivoting_its_accuracy_but_not_gtsv():
-    lower, diag, upper, rhs, x_true = pivot_example(1e-12)
-    c, y = [diag[0]], [rhs[0]]  # elimination without pivoting, as the chapter's thomas
+def eliminate_without_pivoting(lower, diag, upper, rhs):
+    """Elimination without pivoting on the 6 x 6 pivot example, as the chapter's thomas, in scalars."""
+    c, y = [diag[0]], [rhs[0]]
     for i in range(1, 6):
         w = lower[i - 1] / c[-1]
         c.append(diag[i] - w * upper[i - 1])
@@ -77,6 +77,12 @@ def test_a_tiny_pivot_costs_elimination_without_pivoting_its_accuracy_but_not_gt
     x[5] = y[5] / c[5]
     for i in range(4, -1, -1):
         x[i] = (y[i] - upper[i] * x[i + 1]) / c[i]
+    return x
+
+
+def test_a_tiny_pivot_costs_elimination_without_pivoting_its_accuracy_but_not_gtsv():
+    lower, diag, upper, rhs, x_true = pivot_example(1e-12)
+    x = eliminate_without_pivoting(lower, diag, upper, rhs)
     rel = lambda z: np.linalg.norm(z - x_true) / np.linalg.norm(x_true)  # noqa: E731
     assert rel(np.array(x)) > 1e-6
     assert rel(lapack.gtsv(lower, diag, upper, rhs)) < 1e-14
@@ -214,15 +220,7 @@ def test_torch_linalg_has_no_tridiagonal_or_banded_solver():
 
 def test_the_tiny_pivot_error_sits_in_x0_and_the_norm_wise_figure_dilutes_it():
     lower, diag, upper, rhs, x_true = pivot_example(1e-12)
-    c, y = [diag[0]], [rhs[0]]  # elimination without pivoting, as the chapter's thomas
-    for i in range(1, 6):
-        w = lower[i - 1] / c[-1]
-        c.append(diag[i] - w * upper[i - 1])
-        y.append(rhs[i] - w * y[-1])
-    x = [0.0] * 6
-    x[5] = y[5] / c[5]
-    for i in range(4, -1, -1):
-        x[i] = (y[i] - upper[i] * x[i + 1]) / c[i]
+    x = eliminate_without_pivoting(lower, diag, upper, rhs)
     err = np.abs(np.array(x) - x_true)
     assert 5e-5 < err[0] < 2e-4  # |x_0 - 1| about 9e-5: four significant digits right
     assert err[1:].max() < 1e-12  # the other five entries are accurate

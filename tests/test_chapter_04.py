@@ -340,16 +340,18 @@ def test_a_python_loop_in_torch_ops_compiles_to_one_graph_per_n_growing_with_n()
     assert len(sizes) == 2 and sizes[1] > 1.5 * sizes[0]
 
 
+def has_storage(t):
+    """Whether a tensor has storage of its own (torch.func's wrappers have none)."""
+    try:
+        t.data_ptr()
+        return True
+    except RuntimeError:
+        return False
+
+
 def test_vjp_fn_after_vjp_gets_plain_grad_x_and_saved_wrappers_that_detach_unwraps():
     lower, diag, upper, rhs = make_system(5, seed=52)
     seen = {}
-
-    def has_storage(t):
-        try:
-            t.data_ptr()
-            return True
-        except RuntimeError:
-            return False
 
     class Peek(torch.autograd.Function):
         @staticmethod
@@ -378,13 +380,6 @@ def test_under_torch_func_grad_forward_gets_tensors_with_storage_and_backward_ge
     backward's incoming gradient and saved tensors are wrappers without storage."""
     lower, diag, upper, rhs = make_system(5, seed=52)
     seen = []
-
-    def has_storage(t):
-        try:
-            t.data_ptr()
-            return True
-        except RuntimeError:
-            return False
 
     class Peek(torch.autograd.Function):
         @staticmethod
