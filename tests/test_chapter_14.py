@@ -241,19 +241,29 @@ def test_the_packages_fake_kernel_replaces_the_composite_one_on_meta():
     assert len(meta) == 1 and ".py:" in meta[0], meta
 
 
-def test_opcheck_flags_an_op_without_an_autograd_kernel():
-    """Section 14.3: `opcheck`'s test_autograd_registration fails for an op with a CPU kernel and a
-    fake kernel but no autograd kernel, given an input that requires grad."""
+def test_opcheck_misses_a_missing_autograd_kernel_when_the_output_is_a_fresh_tensor():
+    """Section 14.3: `opcheck`'s test_autograd_registration fails for an op without an autograd
+    kernel only where the kernel's output carries autograd history; a kernel that writes a fresh
+    tensor, as the chapter's C++ loop does, passes every test."""
     lib = torch.library.Library("ch14_test_no_autograd", "DEF")
-    lib.define("neorelu(Tensor x) -> Tensor")
-    lib.impl("neorelu", lambda x: torch.where(x > 0, x, -0.1), "CPU")
-    torch.library.register_fake("ch14_test_no_autograd::neorelu", lambda x: x.new_empty(x.shape),
-                                lib=lib)
+    lib.define("fresh(Tensor x) -> Tensor")
+    lib.define("live(Tensor x) -> Tensor")
+
+    def fresh(x):
+        out = torch.empty_like(x, memory_format=torch.contiguous_format)
+        with torch.no_grad():
+            out.copy_(torch.where(x > 0, x, -0.1 * x))
+        return out
+
+    lib.impl("fresh", fresh, "CPU")
+    lib.impl("live", lambda x: torch.where(x > 0, x, -0.1 * x), "CPU")
+    for name in ("fresh", "live"):
+        torch.library.register_fake(f"ch14_test_no_autograd::{name}", lambda x: x.new_empty(x.shape), lib=lib)
     x = torch.randn(4, dtype=torch.float64, requires_grad=True)
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*autograd kernel was not registered")
-        results = torch.library.opcheck(torch.ops.ch14_test_no_autograd.neorelu, (x,),
-                                        raise_exception=False)
-    assert results["test_schema"] == "SUCCESS"
-    assert isinstance(results["test_autograd_registration"], Exception)
-    assert "autograd kernel" in str(results["test_autograd_registration"])
+        results = {name: torch.library.opcheck(getattr(torch.ops.ch14_test_no_autograd, name), (x,),
+                                               raise_exception=False) for name in ("fresh", "live")}
+    assert all(result == "SUCCESS" for result in results["fresh"].values()), results["fresh"]
+    assert isinstance(results["live"]["test_autograd_registration"], Exception)
+    assert "autograd kernel" in str(results["live"]["test_autograd_registration"])
