@@ -264,7 +264,8 @@ def _chapter_checks():
 
 
 def test_the_chapters_checks_raise_every_error_its_specification_lists():
-    # section 11.2, Errors: dense tensors and one dtype (TypeError), one device and shapes (ValueError)
+    # section 11.2: one dtype (TypeError), shapes (ValueError); the op reaches these checks only on
+    # dense CPU tensors, which the dispatcher ensures first, but the checks refuse the rest too
     check = _chapter_checks()
     d, e, b = torch.full((3,), 4.0, dtype=DTYPE), torch.ones(2, dtype=DTYPE), torch.ones(3, dtype=DTYPE)
     assert check(d, e, b) is None and check(d, e, b[:, None]) is None
