@@ -535,3 +535,29 @@ def test_exercise_1_n_star_is_no_crossover():
     for n, expected in ((10**4, (1.29, 1.44)), (10**5, (1.04, 1.08))):
         q = [over_jax_intel("lapack", n, f) for f in FAMILIES]
         assert (round(min(q), 2), round(max(q), 2)) == expected
+
+
+def test_the_live_matrix_has_rows_that_are_not_dominant_and_the_suites_has_none():
+    """Sections 12.1 and 12.3: the live cells' ``problem`` adds 4 to a random diagonal, so a few of
+    its rows are not diagonally dominant; the suite's ``dominant`` matrix has none."""
+    from tridiag_tutorial.bench import benchmarks
+
+    def weak_rows(lower, diag, upper):
+        lower, diag, upper = (np.abs(np.asarray(a)) for a in (lower, diag, upper))
+        off = np.zeros_like(diag)
+        off[1:] += lower
+        off[:-1] += upper
+        return int((diag <= off).sum())
+
+    assert 0 < weak_rows(*benchmarks.problem(100, 0, torch.float64)[:3]) < 20  # "a few rows"
+    for n in (100, 10_000):
+        assert weak_rows(*benchmarks.one_system_family("dominant", n)[:3]) == 0
+
+
+def test_a_busy_core_moved_dgtsv_only_at_a_million_on_one_thread():
+    """Section 12.6: busy over quiet, the op on LAPACK stays within 0.04 of 1 except at n = 1e6 on
+    one thread."""
+    for threads in (1, 2):
+        for n in SIZES:
+            ratio = t("lapack", n, threads=threads, busy=True) / t("lapack", n, threads=threads)
+            assert (abs(ratio - 1) > 0.045) == (n == 10**6 and threads == 1), (n, threads, ratio)
