@@ -498,3 +498,21 @@ def test_the_accuracy_families_as_section_15_4_describes_them():
     _, scaled, _, _ = make("badly_scaled_rows", n, np.float64, seed)
     exponents = np.log10(np.abs(scaled / diag))
     assert round(exponents.min()) == -150 and round(exponents.max()) == 150
+
+
+def test_a_large_systems_bits_depend_on_its_batchs_size():
+    """Sections 15.3 and 15.5: a large system alone, or in a batch of fewer than W = 8, is cut
+    into pieces (bits not dgtsv's); in a batch of 8 it goes to the batched elimination, with
+    dgtsv's bits."""
+    require_cpp()
+    system = random_bands(4096)
+    x_dgtsv = DGTSV(*(t.numpy() for t in system))[3]
+
+    def differ(count):
+        batch = [t.expand(count, *t.shape).contiguous() for t in system]
+        x, handed_back = compiled.solve_ex(*batch)
+        assert handed_back == 0
+        return [int((x[b].numpy().view(np.int64) != x_dgtsv.view(np.int64)).sum()) for b in range(count)]
+
+    assert all(d > 0 for d in differ(1)) and all(d > 0 for d in differ(7))
+    assert differ(8) == [0] * 8
