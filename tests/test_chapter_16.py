@@ -645,3 +645,41 @@ def test_the_batch_where_the_kernels_break_even_is_about_1300_systems_per_micros
     assert (counts["sequential"].compute, counts["partitioned"].compute) == (1902, 793)
     assert round(extra_mb, 2) == 0.88
     assert 1250 <= saved * 1e-6 * 1e12 / 1e6 / extra_mb < 1350  # systems of 64 for t = 1 us, beta = 1 TB/s
+
+
+def test_the_factors_lu_are_four_rows_dl_d_du_du2_of_each_system():
+    """Section 16.2 states lu's layout: (*B, 4, n), rows dl, d, du, du2, with U's diagonal in row 1."""
+    lower, diag, upper, _ = random_system(40, batch=(16,), seed=10)
+    lu, pivots = sequential.factor(lower, diag, upper)
+    assert lu.shape == (16, 4, 40) and pivots.shape == (16, 40)
+    determinant = torch.linalg.det(to_dense(lower, diag, upper))
+    torch.testing.assert_close(lu[..., 1, :].prod(-1).abs(), determinant.abs())  # row 1: U's diagonal
+    assert torch.equal(lu[..., 3, -2:], torch.zeros(16, 2, dtype=F64))  # du2: n - 2 entries, zero-padded
+
+
+def test_a_dispatch_mode_sees_one_pad_where_the_profiler_sees_a_fill_and_a_copy():
+    """Section 16.3: an operation counted is only roughly one launch; F.pad runs a fill and a copy."""
+    x = torch.randn(100, dtype=F64)
+    with CountOps() as counter:
+        torch.nn.functional.pad(x, (0, 3))
+    with torch.profiler.profile() as prof:
+        torch.nn.functional.pad(x, (0, 3))
+    names = [event.name for event in prof.events()]
+    assert counter.compute == 1
+    assert "aten::fill_" in names and "aten::copy_" in names
+
+
+def test_off_cuda_and_mps_the_choice_reads_the_device_type_not_float64_support():
+    """Section 16.9: on 'xpu' the automatic choice picks the partitioned kernel, which needs
+    float64, from n = 64 on, for float32 and for any batch."""
+    for batch in (1, 10**5):
+        assert choose_driver("xpu", torch.float32, batch, 63, False) == "sequential"
+        assert choose_driver("xpu", torch.float32, batch, 64, False) == "partitioned"
+
+
+def test_both_the_correction_and_the_probe_tests_reject_the_singular_matrix_of_section_16_7():
+    from tridiag_tutorial.book.partitioned_check import check_values, failed
+    lower, diag, upper, _ = random_system(64, seed=8)
+    lower[3], upper[5] = 0.0, 0.0
+    lower[4], diag[5] = 0.5 * diag[4], 0.5 * upper[4]
+    assert set(failed(check_values(lower, diag, upper, torch.ones(64, 1, dtype=F64)))) == {"correction", "probe"}
