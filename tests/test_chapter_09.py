@@ -107,6 +107,22 @@ def test_smoothing_the_jump_lets_plain_crank_nicolson_catch_up():
     assert gaps["smooth"] < 1.5
 
 
+def test_the_jump_gives_the_initial_temperatures_larger_stiff_components():
+    """Section 9.4: with u0 = sum c_k v_k, L u0 = sum lambda_k c_k v_k spikes at the jump, so the
+    stiff terms (|lambda_k| dt > 10) of L u0 are larger than with the jump smoothed."""
+    h, x, faces = grid(63)
+    u0 = initial(x)
+    smooth = 0.5 + torch.exp(-((faces - 0.3) / 0.07) ** 2) + 0.35 * (1 + torch.tanh((faces - 0.65) / 0.03))
+    stiff_size = {}
+    for name, kappa in (("jump", kappa_true(faces)), ("smooth", smooth)):
+        off, diag = bands(kappa, h)
+        eigenvalues, vectors = torch.linalg.eigh(tt.to_dense(off, diag, off))
+        coefficients = vectors.mT @ u0                                   # c_k, one column per experiment
+        stiff = eigenvalues.abs() * DT > 10
+        stiff_size[name] = (eigenvalues[:, None] * coefficients)[stiff].norm().item()
+    assert stiff_size["jump"] > 2 * stiff_size["smooth"]
+
+
 def test_factor_once_gives_the_same_snapshots_and_gradient():
     h, x, faces = grid(63)
     theta = (0.3 * torch.randn(64, dtype=DTYPE, generator=torch.Generator().manual_seed(2))
