@@ -307,3 +307,24 @@ def test_the_headline_of_section_13_4(route_seconds):
     largest = [m(route, mode, 256, 1024) for route in (FAST, FUSED, DIRECT, APPLY)
                for mode in ("forward", "backward")]
     assert max(largest) == 1.16
+
+
+def test_function_apply_binds_for_the_eager_function_but_not_for_cpp_solve():
+    # section 13.3: _CppSolve has no setup_context, so even torch's Function.apply skips the
+    # inspect binding for it; _TridiagonalSolve (with setup_context) pays it on every apply
+    from torch.autograd import function as torch_function
+
+    from tridiag_tutorial import functions
+    dl, d, du, b = (t.requires_grad_() for t in make_system(8, seed=3))
+    calls = {}
+    for label, cls, args in (("cpp", functions._CppSolve, (dl, d, du, b)),
+                             ("eager", functions._TridiagonalSolve,
+                              (dl, d, du, b.unsqueeze(-1), None, None, "N", "lapack"))):
+        if label == "cpp" and not kernels.compiled.is_available():
+            continue
+        with mock.patch.object(torch_function.inspect, "signature",
+                               wraps=torch_function.inspect.signature) as signature:
+            cls.apply(*args)
+        calls[label] = signature.call_count
+    assert calls["eager"] >= 1
+    assert calls.get("cpp", 0) == 0
