@@ -1055,6 +1055,22 @@ CLI_WITH_SIGINT = ("import runpy, signal; signal.signal(signal.SIGINT, signal.de
                    "alter_sys=True)")
 
 
+def test_a_sigint_that_a_library_swallows_still_interrupts_after_the_unit(tmp_path, fast_timer):
+    """Python raises a SIGINT's KeyboardInterrupt wherever the main thread is; inside a gc callback
+    (JAX registers one) it is printed as ignored and lost. main's handler also records the signal,
+    so the run stops after the unit being measured, with the rows kept, and the handler before the
+    run is restored."""
+    out = tmp_path / "r.json"
+    before = signal.getsignal(signal.SIGINT)
+    fast_timer["before"] = lambda count: (benchmarks._SIGINT_SEEN.append(signal.SIGINT)
+                                          if count == 3 else None)  # received, its exception lost
+    with pytest.raises(KeyboardInterrupt):
+        benchmarks.main([*QUICK_MAIN, "--out", str(out)])
+    assert signal.getsignal(signal.SIGINT) is before
+    assert 1 <= len(timed(json.loads(out.read_text())["results"])) <= 3
+    assert len(fast_timer["calls"]) <= 4  # stopped at the end of the unit, not at the end of the run
+
+
 def test_sigint_keeps_the_rows_and_exits_130_without_a_traceback(tmp_path, fast_timer):
     """The command itself, in a process of its own, interrupted (SIGINT) once rows are in its
     file; then continued with --merge, which measures only the rows not in the file."""

@@ -83,11 +83,13 @@ import os
 import platform
 import re
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
 import tempfile
 import textwrap
+import threading
 import time
 from collections import Counter
 from dataclasses import asdict, dataclass, field
@@ -2215,6 +2217,8 @@ class _Suite:
         self.store()
         if label is not None:
             self.report.progress.advance(label)
+        if _SIGINT_SEEN:  # a Ctrl-C that a library swallowed (raised inside its gc callback)
+            raise KeyboardInterrupt
 
     def rows(self) -> list:
         replaced = self.plan | {self.unit(r) for r in self.new}
@@ -2584,12 +2588,35 @@ def _measure(opts, report) -> list:
     return summary
 
 
+_SIGINT_SEEN = []  # SIGINTs received during main: checked after each measured unit
+
+
+def _on_sigint(signum, frame):
+    """Raise ``KeyboardInterrupt`` as Python's own handler does, and remember the signal: where the
+    exception is raised inside a gc callback (JAX registers one), Python prints it as ignored and
+    goes on, so :meth:`_Suite.add` raises it again after the unit being measured."""
+    _SIGINT_SEEN.append(signum)
+    raise KeyboardInterrupt
+
+
 def main(argv=None):
     """The command line (``python -m tridiag_tutorial.bench.benchmarks --help``): measure, write the
     results file as rows are measured, print the summary; returns the report written. An
     interrupt (``KeyboardInterrupt``) leaves the rows measured in the file, says so on standard
     error and propagates."""
     opts = _parser().parse_args(argv)
+    handle = (threading.current_thread() is threading.main_thread()
+              and signal.getsignal(signal.SIGINT) is signal.default_int_handler)
+    previous = signal.signal(signal.SIGINT, _on_sigint) if handle else None
+    _SIGINT_SEEN.clear()
+    try:
+        return _main(opts)
+    finally:
+        if handle:
+            signal.signal(signal.SIGINT, previous)
+
+
+def _main(opts):
     merged = {}
     if opts.merge:
         with open(opts.merge) as f:
