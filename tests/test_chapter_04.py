@@ -349,18 +349,22 @@ def has_storage(t):
         return False
 
 
+class SavesItsInput(torch.autograd.Function):
+    """The split form's setup_context, saving the one input, for the Functions below."""
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.save_for_backward(inputs[0])
+
+
 def test_vjp_fn_after_vjp_gets_plain_grad_x_and_saved_wrappers_that_detach_unwraps():
     lower, diag, upper, rhs = make_system(5, seed=52)
     seen = {}
 
-    class Peek(torch.autograd.Function):
+    class Peek(SavesItsInput):
         @staticmethod
         def forward(d):
             return d * 2
-
-        @staticmethod
-        def setup_context(ctx, inputs, output):
-            ctx.save_for_backward(inputs[0])
 
         @staticmethod
         def backward(ctx, g):
@@ -381,15 +385,11 @@ def test_under_torch_func_grad_forward_gets_tensors_with_storage_and_backward_ge
     lower, diag, upper, rhs = make_system(5, seed=52)
     seen = []
 
-    class Peek(torch.autograd.Function):
+    class Peek(SavesItsInput):
         @staticmethod
         def forward(d):
             seen.append(("forward", has_storage(d)))
             return torch.from_numpy(d.detach().numpy() * 2)
-
-        @staticmethod
-        def setup_context(ctx, inputs, output):
-            ctx.save_for_backward(inputs[0])
 
         @staticmethod
         def backward(ctx, g):
