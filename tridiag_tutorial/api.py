@@ -49,9 +49,10 @@ What does not compose, and raises instead of answering wrongly (chapter 13's sup
   and what to do (run that transform eagerly; compiled single-level transforms work);
 - forward-over-forward (``jvp`` of ``jvp``, ``jacfwd(jacfwd(f))``), eager or compiled: torch does
   not differentiate an ``autograd.Function``'s ``jvp`` staticmethod at an outer forward level (it
-  returns a silently wrong second derivative, for ``torch.linalg.solve`` as well; pytorch
-  issue 197867), so the op raises and points to ``hessian`` / ``jacfwd(jacrev(f))``, which work
-  eagerly;
+  returns a silently wrong second derivative; pytorch issue 197867), so the op raises and points
+  to ``hessian`` / ``jacfwd(jacrev(f))``, which work eagerly. ``torch.linalg.solve`` is wrong there
+  too, for another reason (chapter 7): its tangent reuses the LU factors of its forward pass,
+  which its ``derivatives.yaml`` entry declares non-differentiable (pytorch issue 192540);
 - double backward (``create_graph=True``) through a compiled function: torch's AOTAutograd
   raises its own error ("does not currently support double backward").
 
