@@ -15,9 +15,11 @@ def test_private_names_exist():
     assert issubclass(functions._CompiledSolve, torch.autograd.function._SingleLevelFunction)
     assert callable(_compat.enable_single_level_autograd_function)
     for name in ("peek_interpreter_stack", "is_functorch_wrapped_tensor", "is_batchedtensor",
-                 "is_legacy_batchedtensor"):
+                 "is_legacy_batchedtensor", "get_unwrapped"):
         assert hasattr(torch._C._functorch, name), f"torch._C._functorch.{name} is gone"
     assert hasattr(torch.autograd.forward_ad, "_current_level")
+    from torch._functorch.pyfunctorch import GradInterpreter
+    assert callable(GradInterpreter.prev_grad_mode)
     from torch.utils._python_dispatch import _get_current_dispatch_mode  # noqa: F401
 
 
@@ -40,6 +42,25 @@ def test_transform_depths_are_detected():
     assert seen == {"none": (0, 0), "grad": (1, 0), "jvp": (1, 1), "vmap(grad)": (1, 0),
                     "jvp(grad)": (2, 1), "jvp(jvp)": (2, 2)}
 
+
+def test_outer_autograd_records_sees_grad_mode_and_requires_grad_under_the_transforms():
+    seen = {}
+
+    def record(name):
+        def f(x):
+            seen[name] = _compat.outer_autograd_records(x)
+            return x.sin().sum()
+        return f
+
+    x, leaf = torch.ones(3), torch.ones(3, requires_grad=True)
+    grad(record("plain input"))(x)
+    grad(record("input requires grad"))(leaf)
+    with torch.no_grad():
+        grad(record("under no_grad"))(leaf)
+    vmap(grad(record("vmap(grad), requires grad")))(leaf.expand(2, 3))
+    jvp(record("jvp, requires grad"), (leaf,), (x,))
+    assert seen == {"plain input": False, "input requires grad": True, "under no_grad": False,
+                    "vmap(grad), requires grad": True, "jvp, requires grad": True}
 
 def test_fast_path_detectors_see_what_they_name():
     """Each check the fast path relies on answers True exactly where it says it does."""

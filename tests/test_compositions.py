@@ -11,6 +11,7 @@ Then the ``driver`` argument (issue 24) through the same machinery: the backward
 (or the automatic choice for its shapes), seen by spies on the kernels' entry points.
 """
 
+import contextlib
 import functools
 import threading
 
@@ -194,6 +195,62 @@ def test_double_backward_eager_and_compiled():
                                second(dense, lambda f: f), rtol=1e-9, atol=1e-11)
     with pytest.raises(RuntimeError, match="double backward"):
         second(tridiagonal_solve, lambda f: torch.compile(f, backend="aot_eager"))
+
+
+# A torch.func transform inside ordinary autograd (a gradient penalty, a Hessian-vector product):
+# the compiled op's single-level Function attaches its derivative to the transform's level only,
+# so ordinary autograd's record of the call would miss it. The op refuses; Dynamo then runs the
+# frame eagerly (right), fullgraph raises, and the op called directly raises.
+INSIDE_AUTOGRAD = {
+    "grad": lambda x, d: grad(lambda e: x(e).pow(2).sum())(d),
+    "vjp": lambda x, d: vjp(x, d)[1](RHS)[0],
+    "jvp": lambda x, d: jvp(x, (d,), (RHS,))[1],
+    "jacrev": lambda x, d: jacrev(x)(d),
+    "jacfwd": lambda x, d: jacfwd(x)(d),
+    "vmap(grad)": lambda x, d: vmap(grad(lambda e: x(e).pow(2).sum()))(
+        d + torch.arange(3, dtype=d.dtype).reshape(3, 1)),
+}
+
+
+def _direct_op(lower, diag, upper, rhs):
+    return torch.ops.tridiag_tutorial.solve(lower, diag, upper, rhs.unsqueeze(-1), None, None,
+                                            "N", "lapack").squeeze(-1)
+
+
+def _outer_gradient(solve, transform, wrap):
+    """d/d(diag) of sum(transform's result) + sum(diag), by ordinary autograd."""
+    d = DIAG.clone().requires_grad_()
+    inner = wrap(lambda d: INSIDE_AUTOGRAD[transform](lambda e: solve(LOWER, e, UPPER, RHS), d))
+    return torch.autograd.grad(inner(d).sum() + d.sum(), d)[0]
+
+
+@pytest.mark.parametrize("transform", list(INSIDE_AUTOGRAD))
+@pytest.mark.parametrize("mode", list(MODES))
+def test_transform_inside_ordinary_autograd(mode, transform):
+    torch.compiler.reset()
+    reference = _outer_gradient(dense, transform, lambda f: f)
+    assert not torch.equal(reference, torch.ones_like(reference))  # the inner term is there
+    if mode == "compile(fullgraph)":
+        with pytest.raises(torch._dynamo.exc.Unsupported, match="ordinary autograd also records"):
+            _outer_gradient(tridiagonal_solve, transform, MODES[mode])
+    else:
+        got = _outer_gradient(tridiagonal_solve, transform, MODES[mode])
+        torch.testing.assert_close(got, reference, rtol=1e-9, atol=1e-11)
+    with pytest.raises(NotImplementedError, match="ordinary autograd also records"):
+        _outer_gradient(_direct_op, transform, lambda f: f)
+    torch.compiler.reset()
+
+
+@pytest.mark.parametrize("outside", ["no_grad", "detached"])
+def test_transform_inside_autograd_that_records_nothing_runs_the_op(outside):
+    """The refusal above only where ordinary autograd records: under no_grad, or on inputs that
+    do not require grad, the op itself runs inside the transform and is right."""
+    d = DIAG.clone().requires_grad_(outside == "no_grad")
+    f = lambda e: INSIDE_AUTOGRAD["grad"](lambda e: _direct_op(LOWER, e, UPPER, RHS), e)  # noqa: E731
+    with torch.no_grad() if outside == "no_grad" else contextlib.nullcontext():
+        got = f(d)
+    want = INSIDE_AUTOGRAD["grad"](lambda e: dense(LOWER, e, UPPER, RHS), DIAG)
+    torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-11)
 
 
 def sum_of_squares_grad(lower, d, upper, rhs):

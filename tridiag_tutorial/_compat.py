@@ -20,7 +20,8 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 __all__ = ["SingleLevelFunction", "enable_single_level_autograd_function",
            "forward_transform_depth", "differentiation_depth", "mode_active", "transform_active",
-           "forward_ad_active", "is_functorch_tensor", "function_apply", "base_apply",
+           "forward_ad_active", "is_functorch_tensor", "outer_autograd_records",
+           "function_apply", "base_apply",
            "unwrap_dead_wrappers", "PYTHON_FUNCTION_APPLY"]
 
 #: An ``autograd.Function`` whose ``apply`` records one autograd node on the tensors it is given,
@@ -42,6 +43,27 @@ def differentiation_depth() -> int:
     ``jvp``/``jacfwd``) are active right now; ``vmap`` levels do not count."""
     return sum(i.key() in (TransformType.Grad, TransformType.Jvp)
                for i in retrieve_all_functorch_interpreters())
+
+
+def outer_autograd_records(*tensors: torch.Tensor | None) -> bool:
+    """Ordinary autograd, below every ``torch.func`` level, records this call: grad mode was on
+    outside the transforms (the outermost ``grad`` level's saved mode, else the current one) and
+    some input's innermost tensor (under every functorch wrapper) requires grad. A single-level
+    Function attaches its derivative to the innermost transform only, so that record would miss
+    the call's derivative."""
+    grad_mode = torch.is_grad_enabled()
+    for interpreter in retrieve_all_functorch_interpreters():  # outermost first
+        if interpreter.key() == TransformType.Grad:
+            grad_mode = interpreter.prev_grad_mode()
+            break
+    if not grad_mode:
+        return False
+    for t in tensors:
+        while t is not None and is_functorch_tensor(t):
+            t = _functorch.get_unwrapped(t)
+        if t is not None and t.requires_grad:
+            return True
+    return False
 
 
 # The fast path's checks (functions._direct, functions._unobserved): is anything but the result watching?

@@ -53,6 +53,11 @@ What does not compose, and raises instead of answering wrongly (chapter 13's sup
   to ``hessian`` / ``jacfwd(jacrev(f))``, which work eagerly. ``torch.linalg.solve`` is wrong there
   too, for another reason (chapter 7): its tangent reuses the LU factors of its forward pass,
   which its ``derivatives.yaml`` entry declares non-differentiable (pytorch issue 192540);
+- a differentiating ``torch.func`` transform inside ``torch.compile`` (or around the op
+  ``tridiag_tutorial::solve`` called directly) while ordinary autograd also records the inputs (a
+  gradient penalty): the op's derivative would reach the transform's level only, so the op raises
+  (under ``torch.compile`` without ``fullgraph``, Dynamo then runs the frame eagerly, which is
+  right);
 - double backward (``create_graph=True``) through a compiled function: torch's AOTAutograd
   raises its own error ("does not currently support double backward").
 

@@ -153,10 +153,23 @@ _NESTED_UNDER_COMPILE = (
     "level of grad, vjp, jacrev, jvp or jacfwd (optionally under vmap) works.")
 
 
+_TRANSFORM_INSIDE_AUTOGRAD = (
+    "tridiagonal_solve: a torch.func transform that differentiates (grad, vjp, jacrev, jvp, "
+    "jacfwd) inside torch.compile, or around the op tridiag_tutorial::solve called directly, "
+    "while ordinary autograd also records the inputs (one requires grad, grad mode on) is not "
+    "supported: the op attaches its derivative to the transform's level only, so the outer "
+    "gradient (a gradient penalty's, a Hessian-vector product's) would miss its term. Call "
+    "tridiagonal_solve eagerly (without torch.compile), where it works; or take the outer "
+    "derivative with torch.func too; or detach the inputs if no outer gradient is wanted.")
+
+
 # [book: autograd-kernel]
 def _solve_autograd(lower, diag, upper, rhs, lu, pivots, trans, driver):
-    if _compat.differentiation_depth() > 1:
+    depth = _compat.differentiation_depth()
+    if depth > 1:
         raise NotImplementedError(_NESTED_UNDER_COMPILE)
+    if depth == 1 and _compat.outer_autograd_records(lower, diag, upper, rhs):
+        raise NotImplementedError(_TRANSFORM_INSIDE_AUTOGRAD)
     with _compat.enable_single_level_autograd_function():
         return _CompiledSolve.apply(lower, diag, upper, rhs, lu, pivots, trans, driver)
 
