@@ -328,3 +328,23 @@ def test_function_apply_binds_for_the_eager_function_but_not_for_cpp_solve():
         calls[label] = signature.call_count
     assert calls["eager"] >= 1
     assert calls.get("cpp", 0) == 0
+
+
+@pytest.mark.slow
+def test_a_compiled_grad_inside_ordinary_autograd_is_refused_or_run_eagerly():
+    # section 13.6's third kind: with d.requires_grad, a compiled grad(loss)(d) would lose the
+    # outer gradient's term (the op's derivative reaches the transform's level only). fullgraph
+    # raises; without it Dynamo runs the frame eagerly, and the outer gradient is the dense one's
+    dl, d, du, b = make_system(8, seed=1)
+    d = d.clone().requires_grad_()
+    gradient_of = lambda solve: (lambda x: grad(lambda y: solve(dl, y, du, b).square().sum())(x))
+    expected = gradient_of(dense)(d)
+    want = torch.autograd.grad(expected.sum(), d)[0]
+    torch.compiler.reset()
+    result = torch.compile(gradient_of(tridiagonal_solve), backend="aot_eager")(d)
+    close(result.detach(), expected.detach())
+    close(torch.autograd.grad(result.sum(), d)[0], want)
+    torch.compiler.reset()
+    with pytest.raises(torch._dynamo.exc.Unsupported, match="outer gradient"):
+        torch.compile(gradient_of(tridiagonal_solve), backend="aot_eager", fullgraph=True)(d)
+    torch.compiler.reset()
