@@ -5,7 +5,8 @@ batch rule, no forward rule) gives zero tangents, with no warning, under torch.f
 right ones by double backward, torch.func.jvp through special_zeta raises, JAX's tridiagonal solve carries the same rules, and PyTorch's derivatives.yaml pairs both rules for its
 dense solve. The complex forward rule needs no conjugation and matches the dense solve's jvp and
 gradcheck with check_forward_ad=True. The op's jvp and backward pass the dot-product test
-of exercise 2."""
+of exercise 2. Where the C++ extension is built, the CPU backward is its fused copy of the rules,
+with the same numbers."""
 
 import pathlib
 import warnings
@@ -264,3 +265,30 @@ def test_the_prose_quotes_the_printed_backward_forward_ratio():
     quoted = [c for c in cells if c["cell_type"] == "markdown" and "times as long as the forward" in "".join(c["source"])]
     assert len(quoted) == 1
     assert f"a median {printed[0]} times as long" in "".join(quoted[0]["source"]).replace("\n", " ")
+
+
+def test_the_cpu_backward_of_sections_3_4_and_3_7_is_the_fused_cpp_copy(monkeypatch):
+    """Sections 3.4 and 3.9: where the C++ extension is built, the package column's CPU backward
+    is one call of the fused C++ backward, not rules.solve_backward, and still equals the formulas."""
+    from tridiag_tutorial import cpp_available
+    from tridiag_tutorial.kernels import compiled
+
+    if not cpp_available():
+        pytest.skip("the C++ extension is not built")
+    calls = []
+    fused, python = compiled.solve_backward, rules.solve_backward
+    monkeypatch.setattr(compiled, "solve_backward", lambda *a: calls.append("cpp") or fused(*a))
+    monkeypatch.setattr(rules, "solve_backward", lambda *a: calls.append("python") or python(*a))
+    n, k = 7, 3
+    lower, diag, upper = bands(n, seed=11)
+    gen = torch.Generator().manual_seed(12)
+    B, T = (torch.randn(n, k, dtype=torch.float64, generator=gen) for _ in range(2))
+    leaves = [p.clone().requires_grad_() for p in (lower, diag, upper, B)]
+    X = tridiagonal_solve(*leaves)
+    (0.5 * (X - T).square().sum()).backward()
+    assert calls == ["cpp"]
+    X = X.detach()
+    V = python(tridiagonal_solve, lower, diag, upper, X, X - T)[3]
+    ours = [-(V[1:] * X[:-1]).sum(-1), -(V * X).sum(-1), -(V[:-1] * X[1:]).sum(-1), V]
+    for mine, leaf in zip(ours, leaves):
+        assert torch.equal(mine, leaf.grad)
