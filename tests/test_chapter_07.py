@@ -8,6 +8,7 @@ import gc
 import inspect
 import json
 import re
+import textwrap
 from pathlib import Path
 from unittest import mock
 
@@ -286,7 +287,7 @@ def test_complex_jvp_is_the_tangent_rule():
 
 
 def test_grad_calls_the_function_again_in_its_backward():
-    """Section 7.3's split: torch.func.grad, like autograd.grad with create_graph=True, calls the
+    """Section 7.11's split: torch.func.grad, like autograd.grad with create_graph=True, calls the
     op's autograd.Function in the forward and again in the backward; without create_graph the
     backward calls the kernel directly."""
     lower, diag, upper, rhs = make_system(8, seed=11)
@@ -349,7 +350,7 @@ def test_the_batch_rule_the_chapter_shows_is_the_packages():
 @pytest.mark.slow  # three collections of the garbage collector
 @torch_trap
 def test_create_graph_raises_the_peak_by_retaining_and_by_recording():
-    """Section 7.2: create_graph=True implies retain_graph=True (the forward's saved arrays stay)
+    """Section 7.11: create_graph=True implies retain_graph=True (the forward's saved arrays stay)
     and records the backward; each alone raises the peak over a plain autograd.grad."""
     x = torch.linspace(-1.0, 1.0, 10_000, dtype=F64)
 
@@ -365,7 +366,7 @@ def test_create_graph_raises_the_peak_by_retaining_and_by_recording():
 @pytest.mark.slow  # three collections of the garbage collector
 @torch_trap
 def test_grad_peaks_below_create_graph_because_it_does_not_retain_the_graph():
-    """Section 7.2: torch.func.grad's backward passes create_graph=True but retain_graph=False, so it
+    """Section 7.11: torch.func.grad's backward passes create_graph=True but retain_graph=False, so it
     peaks like autograd.grad called that way, below autograd.grad's create_graph=True (which retains)."""
     source = inspect.getsource(torch._functorch.eager_transforms._autograd_grad)
     assert re.search(r"retain_graph: bool = False", source)
@@ -378,3 +379,11 @@ def test_grad_peaks_below_create_graph_because_it_does_not_retain_the_graph():
     func_grad = peak(grad(chain_loss), x)
     kept = peak(lambda t: with_autograd_grad(t, create_graph=True), x)
     assert func_grad == peak(not_retained, x) < kept
+
+
+def test_the_backward_and_jvp_the_chapter_shows_are_the_packages():
+    """Section 7.7 quotes _TridiagonalSolve.backward and .jvp and the forward-over-forward check."""
+    parts = (functions._TridiagonalSolve.backward, functions._TridiagonalSolve.jvp,
+             functions._check_not_forward_over_forward)
+    current = "\n".join(textwrap.dedent(inspect.getsource(part)) for part in parts)
+    assert shown_block("@staticmethod\ndef backward(") == current
