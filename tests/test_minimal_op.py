@@ -439,3 +439,47 @@ def test_the_op_alone_refuses_dual_numbers_made_inside_compiled_code():
     # outside a dual level the fake kernel traces as before
     close(torch.compile(lambda: _solve_op(dl, d, du, b), backend="aot_eager", fullgraph=True)(), dense(dl, d, du, b))
     torch.compiler.reset()
+
+
+def test_a_dual_level_on_one_thread_makes_the_fake_kernel_refuse_on_another():
+    """Chapter 8: fwAD's level is a module global, so the fake kernel refuses tracing on every thread."""
+    import threading
+
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    args, seen = system(5), []
+
+    def trace():
+        try:
+            with FakeTensorMode() as mode:
+                _solve_op(*(mode.from_tensor(t) for t in args))
+            seen.append("traced")
+        except NotImplementedError as error:
+            seen.append(str(error))
+
+    worker = threading.Thread(target=trace)
+    worker.start()
+    worker.join()
+    assert seen == ["traced"]  # no dual level open: the fake kernel gives the shape
+    seen.clear()
+    with fwAD.dual_level():
+        worker = threading.Thread(target=trace)
+        worker.start()
+        worker.join()
+    assert len(seen) == 1 and "traced inside an active forward-AD level" in seen[0], seen
+
+
+@pytest.mark.slow
+def test_is_compiling_is_true_in_the_backend_too():
+    """Chapter 8: torch.compiler.is_compiling() holds for the whole compile session, backend included."""
+    seen = []
+
+    def backend(graph_module, example_inputs):
+        seen.append(torch.compiler.is_compiling())
+        return graph_module.forward
+
+    torch.compiler.reset()
+    torch.compile(lambda x: x.sin(), backend=backend, fullgraph=True)(torch.ones(3))
+    torch.compiler.reset()
+    assert seen == [True]
+    assert not torch.compiler.is_compiling()
