@@ -20,6 +20,8 @@ def test_private_names_exist():
     assert hasattr(torch.autograd.forward_ad, "_current_level")
     from torch._functorch.pyfunctorch import GradInterpreter
     assert callable(GradInterpreter.prev_grad_mode)
+    assert isinstance(torch._functorch.eager_transforms.JVP_NESTING, int)
+    assert torch._C._is_fwd_grad_enabled() is True
     from torch.utils._python_dispatch import _get_current_dispatch_mode  # noqa: F401
 
 
@@ -61,6 +63,34 @@ def test_outer_autograd_records_sees_grad_mode_and_requires_grad_under_the_trans
     jvp(record("jvp, requires grad"), (leaf,), (x,))
     assert seen == {"plain input": False, "input requires grad": True, "under no_grad": False,
                     "vmap(grad), requires grad": True, "jvp, requires grad": True}
+
+
+def test_jvp_nesting_and_forward_grad_mode_are_what_the_dual_level_checks_read():
+    seen = {}
+
+    class Peek(torch.autograd.Function):
+        @staticmethod
+        def forward(x):
+            seen["in a Function's forward"] = _compat.forward_grad_enabled()
+            return x.clone()
+
+        @staticmethod
+        def setup_context(ctx, inputs, output):
+            pass
+
+        @staticmethod
+        def jvp(ctx, t):
+            return t
+
+    def f(x):
+        seen["jvp nesting"] = _compat.jvp_nesting()
+        return Peek.apply(x)
+
+    x = torch.ones(3)
+    assert _compat.jvp_nesting() == 0 and _compat.forward_grad_enabled()
+    jvp(f, (x,), (x,))
+    assert seen == {"jvp nesting": 1, "in a Function's forward": False}
+    assert _compat.jvp_nesting() == 0
 
 def test_fast_path_detectors_see_what_they_name():
     """Each check the fast path relies on answers True exactly where it says it does."""

@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 from torch._C import _functorch
 from torch._C._functorch import TransformType
+from torch._functorch import eager_transforms as _eager_transforms
 from torch._functorch.pyfunctorch import retrieve_all_functorch_interpreters
 from torch._functorch.utils import enable_single_level_autograd_function, unwrap_dead_wrappers
 from torch.autograd import forward_ad
@@ -20,7 +21,9 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 __all__ = ["SingleLevelFunction", "enable_single_level_autograd_function",
            "forward_transform_depth", "differentiation_depth", "mode_active", "transform_active",
-           "forward_ad_active", "is_functorch_tensor", "outer_autograd_records",
+           "forward_ad_active", "is_functorch_tensor", "get_unwrapped", "jvp_nesting",
+           "forward_grad_enabled",
+           "outer_autograd_records",
            "function_apply", "base_apply",
            "unwrap_dead_wrappers", "PYTHON_FUNCTION_APPLY"]
 
@@ -38,6 +41,23 @@ def forward_transform_depth() -> int:
     return sum(i.key() == TransformType.Jvp for i in retrieve_all_functorch_interpreters())
 
 
+def forward_grad_enabled() -> bool:
+    """Forward AD is on (``autograd.Function.forward`` turns it off while it runs)."""
+    return torch._C._is_fwd_grad_enabled()
+
+
+def get_unwrapped(t: torch.Tensor) -> torch.Tensor:
+    """The tensor under one functorch wrapper (a transform's or vmap's)."""
+    return _functorch.get_unwrapped(t)
+
+
+def jvp_nesting() -> int:
+    """How many ``torch.func.jvp`` calls (``jacfwd``'s included) are running, counted in Python
+    by functorch itself (``eager_transforms.JVP_NESTING``): unlike the interpreter stack, which a
+    kernel below the transforms sees popped, it stays set while their kernels run."""
+    return _eager_transforms.JVP_NESTING
+
+
 def differentiation_depth() -> int:
     """How many differentiating ``torch.func`` transforms (``grad``/``vjp``/``jacrev`` and
     ``jvp``/``jacfwd``) are active right now; ``vmap`` levels do not count."""
@@ -46,22 +66,27 @@ def differentiation_depth() -> int:
 
 
 def outer_autograd_records(*tensors: torch.Tensor | None) -> bool:
-    """Ordinary autograd, below every ``torch.func`` level, records this call: grad mode was on
-    outside the transforms (the outermost ``grad`` level's saved mode, else the current one) and
-    some input's innermost tensor (under every functorch wrapper) requires grad. A single-level
-    Function attaches its derivative to the innermost transform only, so that record would miss
-    the call's derivative."""
+    """Ordinary autograd, below every ``torch.func`` level, records this call: some input's
+    innermost tensor (under every functorch wrapper) requires grad while grad mode was on outside
+    the transforms (the outermost ``grad`` level's saved mode, else the current one), or carries
+    a forward-AD tangent of a ``dual_level``. A single-level Function attaches its derivative to
+    the innermost transform only, so that record would miss the call's derivative."""
     grad_mode = torch.is_grad_enabled()
     for interpreter in retrieve_all_functorch_interpreters():  # outermost first
         if interpreter.key() == TransformType.Grad:
             grad_mode = interpreter.prev_grad_mode()
             break
-    if not grad_mode:
+    dual = forward_ad_active()
+    if not (grad_mode or dual):
         return False
     for t in tensors:
         while t is not None and is_functorch_tensor(t):
-            t = _functorch.get_unwrapped(t)
-        if t is not None and t.requires_grad:
+            t = get_unwrapped(t)
+        if t is None:
+            continue
+        if grad_mode and t.requires_grad:
+            return True
+        if dual and forward_ad.unpack_dual(t).tangent is not None:
             return True
     return False
 

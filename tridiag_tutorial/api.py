@@ -58,6 +58,10 @@ What does not compose, and raises instead of answering wrongly (chapter 13's sup
   gradient penalty): the op's derivative would reach the transform's level only, so the op raises
   (under ``torch.compile`` without ``fullgraph``, Dynamo then runs the frame eagerly, which is
   right);
+- dual numbers made outside a compiled function (a ``dual_level`` around compiled code): the
+  compiled graph drops their tangents, so the op refuses to be traced inside a dual level unless an
+  input carries a traced tangent (duals made inside the compiled function work), and its kernel
+  refuses tangents that reach a graph compiled before the level;
 - double backward (``create_graph=True``) through a compiled function: torch's AOTAutograd
   raises its own error ("does not currently support double backward").
 

@@ -17,6 +17,7 @@ an op cannot crash a kernel.
 from __future__ import annotations
 
 import torch
+from torch.autograd import forward_ad
 
 from . import _compat, kernels
 from ._schemas import lu_factor_op as _factor_op
@@ -59,11 +60,62 @@ def _solve_kernel(lower, diag, upper, rhs, lu, pivots, trans, driver):
     graph or a direct call cannot crash it. On the C++ kernel, which checks every tensor itself
     (device, layout, dtype, shapes) before it reads one, the Python checks are skipped: they cost
     more than the solve of a small system, and a compiled graph calls this kernel on every run."""
+    if _compat.forward_ad_active():
+        _refuse_tangents(lower, diag, upper, rhs)
     if (driver == "cpp" and lu is None and pivots is None and trans == "N"
             and rhs.ndim == diag.ndim + 1):  # the C++ op also takes (*B, n): these ops do not
         return compiled.solve(lower, diag, upper, rhs)
     _check_kernel_args(lower, diag, upper, rhs, lu, pivots, trans, driver)
     return _kernel(lower, diag, upper, rhs, lu, pivots, trans, driver)
+
+
+_TANGENT_DROPPED = (
+    "tridiagonal_solve: forward-mode AD (dual numbers) reached the kernel, which has no forward "
+    "rule: a graph compiled by torch.compile (or exported) runs the kernel without the op's "
+    "autograd, and would drop the tangents (torch.compile does not differentiate dual inputs). "
+    "Call tridiagonal_solve uncompiled inside dual_level, or take forward-mode derivatives with "
+    "torch.func.jvp / jacfwd inside the compiled function.")
+
+
+def _refuse_untraced_duals_under_compile(*tensors) -> None:
+    """While torch.compile (or export) traces inside a dual level, dual numbers made outside the
+    compiled function reach the op without their tangents (AOTAutograd does not trace them), where
+    those made inside carry traced ones: refuse where no input (under its functorch wrappers)
+    carries one. A torch.func forward transform (its own dual level) and a Function's forward
+    (forward AD off) are not refused."""
+    if not (_compat.forward_ad_active() and torch.compiler.is_compiling()
+            and _compat.forward_grad_enabled() and _compat.forward_transform_depth() == 0
+            and _compat.jvp_nesting() == 0):
+        return
+    for t in tensors:
+        while t is not None and _compat.is_functorch_tensor(t):
+            t = _compat.get_unwrapped(t)
+        try:
+            if t is not None and forward_ad.unpack_dual(t).tangent is not None:
+                return
+        except RuntimeError:
+            continue
+    raise NotImplementedError(_DUAL_LEVEL_UNDER_COMPILE)
+
+
+def _refuse_tangents(*tensors) -> None:
+    """A tangent on an input of the kernel would be dropped: raise. Inside an autograd.Function's
+    ``forward`` (the eager path), forward AD is off and no tangent shows."""
+    try:
+        lost = any(t is not None and forward_ad.unpack_dual(t).tangent is not None
+                   for t in tensors)
+    except RuntimeError:  # where the kernel runs below autograd, unpack_dual may not answer;
+        return            # _refuse_untraced_duals_under_compile refuses such traces
+    if lost:
+        raise NotImplementedError(_TANGENT_DROPPED)
+
+
+_DUAL_LEVEL_UNDER_COMPILE = (
+    "tridiagonal_solve: traced by torch.compile (or torch.export) inside an active forward-AD "
+    "level (dual_level) on inputs without a traced tangent: dual numbers made outside the "
+    "compiled function lose their tangents there (torch.compile does not differentiate dual "
+    "inputs), so the op refuses, with or without tangents. Make the dual numbers inside the "
+    "compiled function, use torch.func.jvp / jacfwd inside it, or call it uncompiled.")
 
 
 def _check_kernel_args(lower, diag, upper, rhs, lu, pivots, trans, driver) -> None:
@@ -76,8 +128,11 @@ _KERNEL_OP_NAME = "tridiag_tutorial::solve_kernel"
 
 def _solve_fake(lower, diag, upper, rhs, lu, pivots, trans, driver):
     """The one fake kernel of ``solve`` and ``solve_kernel``: the checks of the real kernel, and
-    a new C-contiguous tensor of ``rhs``'s shape, as every kernel returns."""
+    a new C-contiguous tensor of ``rhs``'s shape, as every kernel returns. While compiling
+    inside a dual level (no torch.func forward transform), it refuses, as the Autograd kernel does:
+    a graph of the kernel alone would drop tangents."""
     _check_kernel_args(lower, diag, upper, rhs, lu, pivots, trans, driver)
+    _refuse_untraced_duals_under_compile(lower, diag, upper, rhs)
     return rhs.new_empty(rhs.shape)
 
 
@@ -170,6 +225,7 @@ def _solve_autograd(lower, diag, upper, rhs, lu, pivots, trans, driver):
         raise NotImplementedError(_NESTED_UNDER_COMPILE)
     if depth == 1 and _compat.outer_autograd_records(lower, diag, upper, rhs):
         raise NotImplementedError(_TRANSFORM_INSIDE_AUTOGRAD)
+    _refuse_untraced_duals_under_compile(lower, diag, upper, rhs)
     with _compat.enable_single_level_autograd_function():
         return _CompiledSolve.apply(lower, diag, upper, rhs, lu, pivots, trans, driver)
 
