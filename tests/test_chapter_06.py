@@ -112,6 +112,21 @@ def test_double_backward_through_a_compiled_function_raises():
         torch.autograd.grad(first[1].sum(), inputs)
 
 
+@torch_trap
+def test_a_gradient_penalty_through_a_compiled_loss_raises_for_the_op_and_the_dense_solve():
+    """Section 6.2: a loss that contains gradients (a gradient penalty) needs double backward, so
+    .backward() on it raises, even for the dense solve, whose grad returns None with allow_unused."""
+    for solve in (tridiagonal_solve_custom_op, dense_solve):
+        inputs = system(6, seed=10, requires_grad=True)
+        compiled = torch.compile(loss_of(solve), fullgraph=True, backend="aot_eager")
+        first = torch.autograd.grad(compiled(*inputs), inputs, create_graph=True)
+        penalty = sum(g.square().sum() for g in first)
+        with pytest.raises(RuntimeError, match="double backward"):
+            penalty.backward()
+        assert all(t.grad is None for t in inputs)
+        torch.compiler.reset()
+
+
 def test_eager_second_derivatives_of_the_custom_op():
     inputs = system(5, batch=(2,), seed=5, requires_grad=True)
     assert torch.autograd.gradgradcheck(loss, inputs)
