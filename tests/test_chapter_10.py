@@ -6,7 +6,8 @@ the unrolled one once Newton has converged and passes gradcheck, the implicit re
 F = A x - b is chapter 3's rule, the implicit Function keeps the same bytes whatever the number of
 iterations, the gradient error follows the forward solve's tolerance, and under torch.compile the
 convergence test breaks the graph while a fixed number of iterations, a compiled step or a custom op
-does not, and torch.func.grad needs a backward by torch.func.vjp."""
+does not, torch.func.grad needs a backward by torch.func.vjp, which refuses saved-tensor hooks,
+and the byte counts the prose quotes are exact."""
 
 import pytest
 import torch
@@ -153,6 +154,47 @@ def test_implicit_function_saves_the_same_bytes_for_any_iteration_count():
     unrolled = [saved(lambda m=m: newton(t, f, h, iterations=m)) for m in (8, 16)]
     assert unrolled[1] > unrolled[0] > 10 * implicit[1e-10]
 
+
+
+def saved_bytes(fn):
+    total = 0
+
+    def pack(x):
+        nonlocal total
+        total += x.numel() * x.element_size()
+        return x
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda x: x):
+        fn()
+    return total
+
+
+def test_saved_byte_counts_quoted_in_the_prose():
+    # 10.7 quotes 15,152 bytes per unrolled iteration, 9,552 for the first, 2,384 for the
+    # implicit Function (u*, theta, f) and a ratio of 48 at m = 8; 10.8, 9,552 for one step.
+    h, f, theta = problem()
+    t = theta.clone().requires_grad_()
+    unrolled = {m: saved_bytes(lambda m=m: newton(t, f, h, iterations=m)) for m in (8, 16, 32)}
+    per_iteration = (unrolled[16] - unrolled[8]) // 8
+    assert per_iteration == 15_152 == (unrolled[32] - unrolled[16]) // 16
+    assert unrolled[8] - 7 * per_iteration == 9_552
+    implicit = saved_bytes(lambda: NewtonSolve.apply(t, f, h, 1e-10))
+    assert implicit == 2_384 == (99 + 100 + 99) * 8
+    assert unrolled[8] // implicit == 48
+    u_star = newton(theta, f, h)                  # one differentiable Newton step from the solution
+    one_step = saved_bytes(lambda: u_star - tridiagonal_solve(*jacobian_bands(u_star, t, h),
+                                                              residual(u_star, t, f, h)))
+    assert one_step == 9_552
+
+
+def test_only_the_autograd_grad_backward_runs_under_saved_tensor_hooks():
+    h, f, theta = problem()
+    t = theta.clone().requires_grad_()
+    loss = loss_of(NewtonSolve.apply(t, f, h, 1e-10))
+    assert saved_bytes(lambda: loss.backward()) > 0
+    loss = loss_of(NewtonSolveFuncVjp.apply(t, f, h, 1e-10))
+    with pytest.raises(RuntimeError, match="saved tensor hooks"):
+        saved_bytes(lambda: loss.backward())
 
 def test_gradient_error_stays_below_the_tolerance():
     h, f, theta = problem()
