@@ -279,6 +279,31 @@ def test_the_chapters_checks_raise_every_error_its_specification_lists():
         check(d, e[:1], b)
 
 
+
+@torch_trap
+def test_the_dispatcher_refuses_a_sparse_tensor_before_the_checks_and_a_meta_one_reaches_the_fake():
+    # section 11.2's spec: with device_types="cpu", a sparse input gets the dispatcher's
+    # NotImplementedError, not the layout TypeError; a meta tensor among CPU ones reaches the fake
+    # kernel, where the device check raises the ValueError
+    check = _chapter_checks()
+
+    @torch.library.custom_op("test_chapter_11::checked", mutates_args=(), device_types="cpu")
+    def op(d: torch.Tensor, e: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        check(d, e, b)
+        return b.clone()
+
+    @op.register_fake
+    def _(d, e, b):
+        check(d, e, b)
+        return b.new_empty(b.shape)
+
+    d, e, b = torch.full((3,), 4.0, dtype=DTYPE), torch.ones(2, dtype=DTYPE), torch.ones(3, dtype=DTYPE)
+    assert torch.equal(op(d, e, b), b)
+    with pytest.raises(NotImplementedError, match="SparseCPU"):
+        op(d, e, b.to_sparse())
+    with pytest.raises(ValueError, match="one device"):
+        op(d, e.to("meta"), b)
+
 @torch_trap
 def test_register_autograds_kernel_runs_without_grad_and_inference_mode_skips_it():
     # section 11.4's layers: the Python Autograd kernel that register_autograd installs runs on a
