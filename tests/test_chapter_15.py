@@ -516,3 +516,16 @@ def test_a_large_systems_bits_depend_on_its_batchs_size():
 
     assert all(d > 0 for d in differ(1)) and all(d > 0 for d in differ(7))
     assert differ(8) == [0] * 8
+
+
+def test_at_the_threshold_a_piece_has_128_rows():
+    """Section 15.4: PIECES_MIN_N is 1024, from where a float64 piece has 128 rows or more. At
+    n = 1024, by default, the bits differ from dgtsv's next to every multiple of 128 (where a
+    piece starts afresh) and nowhere near the middle of one (rows 48 to 79 of each 128)."""
+    require_cpp()
+    assert compiled.PIECES_MIN_N == 1024
+    rows, handed_back = differing_rows(random_bands(1024))
+    assert handed_back == 0 and len(rows) > 0
+    for end in (128, 256, 384, 512, 640, 768, 896):  # each piece's start: differences around it
+        assert np.any(np.abs(rows - end) < 16)
+    assert not np.any((rows % 128 >= 48) & (rows % 128 < 80))  # no piece starts mid-way
