@@ -483,3 +483,22 @@ def test_is_compiling_is_true_in_the_backend_too():
     torch.compiler.reset()
     assert seen == [True]
     assert not torch.compiler.is_compiling()
+
+
+@pytest.mark.slow
+def test_compiled_jvp_without_fullgraph_breaks_at_the_fake_kernel_and_the_interpreter_stack():
+    """Chapter 8.9: solve's compiled jvp is right without fullgraph only because of two graph breaks,
+    one at the fake kernel's dual-level refusal, one at functorch's interpreter stack."""
+    from torch._dynamo.utils import counters
+
+    dl, d, du, b = system(6)
+    ones = torch.ones_like(d)
+    torch.compiler.reset()
+    counters.clear()
+    tangent = torch.compile(lambda: jvp(lambda x: solve(dl, x, du, b), (d,), (ones,))[1], backend="aot_eager")()
+    reasons = [str(reason) for reason in counters["graph_break"]]
+    torch.compiler.reset()
+    close(tangent, jvp(lambda x: dense(dl, x, du, b), (d,), (ones,))[1])
+    assert len(reasons) == 2, reasons
+    assert any("traced inside an active forward-AD level" in reason for reason in reasons), reasons
+    assert any("get_interpreter_stack" in reason for reason in reasons), reasons
