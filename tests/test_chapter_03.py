@@ -235,16 +235,21 @@ def test_a_library_operator_gets_a_forward_rule_from_its_autograd_kernel():
     assert torch.allclose(dx_op, dx, rtol=0, atol=1e-12)
 
 
-def test_the_package_backward_equals_the_formulas_with_several_columns():
-    """Section 3.4: the package column of the table is exactly zero (same solve, same products)."""
-    n, k = 7, 3
-    lower, diag, upper = bands(n, seed=9)
-    gen = torch.Generator().manual_seed(10)
+def _solved_with_gradients(seed, n=7, k=3):
+    """A system with k columns solved by the package, and .backward() of 0.5 |X - T|^2: the bands,
+    T, the leaves (with their .grad) and X, detached."""
+    lower, diag, upper = bands(n, seed=seed)
+    gen = torch.Generator().manual_seed(seed + 1)
     B, T = (torch.randn(n, k, dtype=torch.float64, generator=gen) for _ in range(2))
     leaves = [p.clone().requires_grad_() for p in (lower, diag, upper, B)]
     X = tridiagonal_solve(*leaves)
     (0.5 * (X - T).square().sum()).backward()
-    X = X.detach()
+    return lower, diag, upper, T, leaves, X.detach()
+
+
+def test_the_package_backward_equals_the_formulas_with_several_columns():
+    """Section 3.4: the package column of the table is exactly zero (same solve, same products)."""
+    lower, diag, upper, T, leaves, X = _solved_with_gradients(seed=9)
     V = tridiagonal_solve(upper, diag, lower, X - T)
     ours = [-(V[1:] * X[:-1]).sum(-1), -(V * X).sum(-1), -(V[:-1] * X[1:]).sum(-1), V]
     for mine, leaf in zip(ours, leaves):
@@ -279,15 +284,8 @@ def test_the_cpu_backward_of_sections_3_4_and_3_7_is_the_fused_cpp_copy(monkeypa
     fused, python = compiled.solve_backward, rules.solve_backward
     monkeypatch.setattr(compiled, "solve_backward", lambda *a: calls.append("cpp") or fused(*a))
     monkeypatch.setattr(rules, "solve_backward", lambda *a: calls.append("python") or python(*a))
-    n, k = 7, 3
-    lower, diag, upper = bands(n, seed=11)
-    gen = torch.Generator().manual_seed(12)
-    B, T = (torch.randn(n, k, dtype=torch.float64, generator=gen) for _ in range(2))
-    leaves = [p.clone().requires_grad_() for p in (lower, diag, upper, B)]
-    X = tridiagonal_solve(*leaves)
-    (0.5 * (X - T).square().sum()).backward()
+    lower, diag, upper, T, leaves, X = _solved_with_gradients(seed=11)
     assert calls == ["cpp"]
-    X = X.detach()
     V = python(tridiagonal_solve, lower, diag, upper, X, X - T)[3]
     ours = [-(V[1:] * X[:-1]).sum(-1), -(V * X).sum(-1), -(V[:-1] * X[1:]).sum(-1), V]
     for mine, leaf in zip(ours, leaves):

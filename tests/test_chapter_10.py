@@ -136,24 +136,11 @@ def test_implicit_recipe_for_a_linear_system_is_chapter_3s_rule():
 def test_implicit_function_saves_the_same_bytes_for_any_iteration_count():
     h, f, theta = problem()
     t = theta.clone().requires_grad_()
-
-    def saved(fn):
-        total = 0
-
-        def pack(x):
-            nonlocal total
-            total += x.numel() * x.element_size()
-            return x
-
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda x: x):
-            fn()
-        return total
-
-    implicit = {tol: saved(lambda: NewtonSolve.apply(t, f, h, tol)) for tol in (1e-4, 1e-10)}
+    implicit = {tol: saved_bytes(lambda: NewtonSolve.apply(t, f, h, tol))
+                for tol in (1e-4, 1e-10)}
     assert set(implicit.values()) == {8 * (3 * f.numel() + 1)}
-    unrolled = [saved(lambda m=m: newton(t, f, h, iterations=m)) for m in (8, 16)]
+    unrolled = [saved_bytes(lambda m=m: newton(t, f, h, iterations=m)) for m in (8, 16)]
     assert unrolled[1] > unrolled[0] > 10 * implicit[1e-10]
-
 
 
 def saved_bytes(fn):
