@@ -283,7 +283,9 @@ def test_duals_made_outside_a_compiled_function_are_right_or_refused(mode, case)
     try:
         got = _tangent_through(compiled, warm=mode == "compiled before the level")
     except (NotImplementedError, torch._dynamo.exc.Unsupported) as error:
-        assert "tridiagonal_solve" in str(error) and "dual" in str(error)
+        ours = "tridiagonal_solve" in str(error) and "dual" in str(error)
+        torchs = "dual tensor input" in str(error)  # from torch 2.14 Dynamo refuses them itself
+        assert ours or torchs, str(error)
         assert mode != "compile" or case != "vmap(x)"  # Dynamo runs that one eagerly: right
     else:
         assert got is not None, "the tangent was dropped"
