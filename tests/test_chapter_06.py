@@ -138,7 +138,6 @@ def test_eager_second_derivatives_of_the_custom_op():
         torch.testing.assert_close(s, e, rtol=1e-10, atol=1e-12)
 
 
-
 def test_the_second_derivatives_the_compiled_dense_solve_returns_as_none_are_not_zero():
     """Section 6.2's warning: the compiled dense solve's None second derivatives are wrong, because
     the eager ones (d/d inputs of the summed dL/ddiag) are not zero."""
@@ -147,6 +146,7 @@ def test_the_second_derivatives_the_compiled_dense_solve_returns_as_none_are_not
     first = torch.autograd.grad(dense(*inputs), inputs, create_graph=True)
     second = torch.autograd.grad(first[1].sum(), inputs)
     assert all(s.abs().max() > 1e-3 for s in second)
+
 
 def test_the_documented_compiled_autograd_switch_compiles_the_backward_whole():
     """Section 6.2: with torch._dynamo.config.compiled_autograd on, a .backward() inside a compiled
