@@ -21,7 +21,7 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 __all__ = ["SingleLevelFunction", "enable_single_level_autograd_function",
            "forward_transform_depth", "differentiation_depth", "mode_active", "transform_active",
-           "forward_ad_active", "is_functorch_tensor", "get_unwrapped", "jvp_nesting",
+           "forward_ad_active", "is_functorch_tensor", "innermost", "jvp_nesting",
            "forward_grad_enabled",
            "outer_autograd_records",
            "function_apply", "base_apply",
@@ -46,9 +46,12 @@ def forward_grad_enabled() -> bool:
     return torch._C._is_fwd_grad_enabled()
 
 
-def get_unwrapped(t: torch.Tensor) -> torch.Tensor:
-    """The tensor under one functorch wrapper (a transform's or vmap's)."""
-    return _functorch.get_unwrapped(t)
+def innermost(t: torch.Tensor | None) -> torch.Tensor | None:
+    """The tensor under every functorch wrapper (transforms' and vmap's): what ordinary autograd,
+    below every ``torch.func`` level, sees."""
+    while t is not None and is_functorch_tensor(t):
+        t = _functorch.get_unwrapped(t)
+    return t
 
 
 def jvp_nesting() -> int:
@@ -79,9 +82,7 @@ def outer_autograd_records(*tensors: torch.Tensor | None) -> bool:
     dual = forward_ad_active()
     if not (grad_mode or dual):
         return False
-    for t in tensors:
-        while t is not None and is_functorch_tensor(t):
-            t = get_unwrapped(t)
+    for t in map(innermost, tensors):
         if t is None:
             continue
         if grad_mode and t.requires_grad:

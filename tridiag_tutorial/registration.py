@@ -87,9 +87,7 @@ def _refuse_untraced_duals_under_compile(*tensors) -> None:
             and _compat.forward_grad_enabled() and _compat.forward_transform_depth() == 0
             and _compat.jvp_nesting() == 0):
         return
-    for t in tensors:
-        while t is not None and _compat.is_functorch_tensor(t):
-            t = _compat.get_unwrapped(t)
+    for t in map(_compat.innermost, tensors):
         try:
             if t is not None and forward_ad.unpack_dual(t).tangent is not None:
                 return
