@@ -249,6 +249,33 @@ def test_graphs_end_at_a_break_or_a_return_and_the_lapack_call_breaks_where_no_g
 
 
 @pytest.mark.slow
+def test_the_break_counter_misses_the_branch_and_dynamo_resumes_gtsv_after_the_lapack_call():
+    """Section 4.5(a): the branch on array data is in break_reasons but not in Dynamo's counter of
+    breaks (a branch, not a call); after the breaks, graphs are traced in the rest of a function
+    that was running (the rest of gtsv, after the LAPACK call, among them) and the last graph is
+    the rest of the loss."""
+    lower, diag, upper, rhs = make_system(5, seed=55)
+
+    def loss(*a):
+        return tridiagonal_solve_function(*a).pow(2).sum()
+
+    torch._dynamo.reset()
+    counters.clear()
+    explanation = torch._dynamo.explain(loss)(lower, diag, upper, rhs)
+    at_calls = list(counters["graph_break"])
+    torch._dynamo.reset()
+    assert any(reason.reason.startswith("generic_jump") for reason in explanation.break_reasons)
+    assert not any("branch" in message or "jump" in message for message in at_calls)
+
+    def traced_in(graph):
+        first = next(node for node in graph.graph.nodes if node.op in ("call_function", "call_method"))
+        return first.meta["stack_trace"].split(", in ")[-1].split()[0]
+
+    functions = [traced_in(graph) for graph in explanation.graphs]
+    assert any(name.startswith("torch_dynamo_resume_in_gtsv_at_") for name in functions), functions
+    assert functions[-1].startswith("torch_dynamo_resume_in_loss_at_"), functions
+
+@pytest.mark.slow
 def test_the_lapack_function_breaks_alike_whether_or_not_its_inputs_require_grad():
     """Section 4.5(a) traces the LAPACK Function on inputs without grad and says the same graphs
     and break reasons come with inputs that require grad, the case of the Thomas run beside it."""
