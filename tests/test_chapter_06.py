@@ -489,3 +489,63 @@ def test_a_function_with_jvp_compiles_with_a_graph_break_without_fullgraph():
     for g, e in zip(torch.autograd.grad(value, inputs), torch.autograd.grad(with_jvp(*inputs), inputs)):
         torch.testing.assert_close(g, e)
     torch.compiler.reset()
+
+
+def test_the_symbolic_graph_serves_later_sizes_from_3_but_not_2():
+    """Section 6.4: after automatic dynamic shapes recompile with n symbolic, that graph serves
+    every later size n >= 3; n = 2 gives lower and upper one element, which Dynamo does not make
+    symbolic (exercise 2), so it compiles again."""
+    torch.compiler.reset()
+    counter = CompileCounterWithBackend("eager")
+    compiled = torch.compile(loss, backend=counter, fullgraph=True)
+    counts = []
+    for n in (8, 9, 10, 3, 17, 2):
+        inputs = system(n, seed=n)
+        torch.testing.assert_close(compiled(*inputs), loss(*inputs))
+        counts.append(counter.frame_count)
+    torch.compiler.reset()
+    assert counts == [1, 2, 2, 2, 2, 3]
+
+
+def test_the_compiled_graph_calls_the_op_without_its_python_autograd_layer():
+    """Section 6.3: eager, a step with gradients runs the op's generated autograd Function (a
+    profiler row GeneratedBackwardFor_...); the compiled graph calls the op below that layer."""
+    from torch.profiler import ProfilerActivity, profile
+
+    inputs = system(50, seed=13, requires_grad=True)
+    compiled = torch.compile(loss, fullgraph=True, backend="aot_eager")
+    torch.autograd.grad(compiled(*inputs), inputs)  # compile outside the profile
+    keys = {}
+    for name, fn in [("eager", loss), ("compiled", compiled)]:
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            torch.autograd.grad(fn(*inputs), inputs)
+        keys[name] = [e.key for e in prof.key_averages()]
+    torch.compiler.reset()
+    layer = "GeneratedBackwardFor_tridiag_tutorial_tridiagonal_solve"
+    assert any(k.startswith(layer) for k in keys["eager"])
+    assert not any(k.startswith(layer) for k in keys["compiled"])
+    assert any(k == "tridiag_tutorial::tridiagonal_solve" for k in keys["compiled"])
+
+
+@pytest.mark.slow  # Inductor generates and builds C++
+def test_inductor_cpu_kernels_get_profiler_rows_with_kernel_profiling_on():
+    """Section 6.3 names the tool: with TORCHINDUCTOR_CPP_ENABLE_KERNEL_PROFILE=1 (the config
+    cpp.enable_kernel_profile), each CPU kernel Inductor generates gets a profiler row of its own."""
+    from torch._inductor import config as inductor_config
+    from torch.profiler import ProfilerActivity, profile
+
+    def prepare_sum(a, b):
+        return (0.5 * a.clamp(-1, 1) * b + 1.0).sum()
+
+    a, b = torch.randn(1000, dtype=torch.float64), torch.randn(1000, dtype=torch.float64)
+    rows = {}
+    for enabled in (False, True):
+        torch.compiler.reset()
+        with inductor_config.patch({"cpp.enable_kernel_profile": enabled}):
+            compiled = torch.compile(prepare_sum, fullgraph=True)
+            compiled(a, b)
+            with profile(activities=[ProfilerActivity.CPU]) as prof:
+                torch.testing.assert_close(compiled(a, b), prepare_sum(a, b))
+        rows[enabled] = [e.key for e in prof.key_averages() if "cpp_fused" in e.key]
+    torch.compiler.reset()
+    assert rows[False] == [] and len(rows[True]) >= 1
