@@ -240,6 +240,24 @@ def test_a_direct_apply_of_the_function_leaves_no_state_behind():
     of_d = lambda x: SolveFunction.apply(dl, x, du, b)
     jvp(of_d, (d,), (torch.ones_like(d),))
     close(jacfwd(lambda x: solve(dl, x, du, b))(d), jacrev(lambda x: dense(dl, x, du, b))(d))
+    with pytest.raises(ValueError, match="singular"):  # the forward's flag is cleared on an error too
+        SolveFunction.apply(dl, torch.zeros_like(d), torch.zeros_like(du), b)
+    with fwAD.dual_level(), pytest.raises(NotImplementedError, match="forward-mode AD reached the op"):
+        _solve_op(dl, fwAD.make_dual(d, torch.ones_like(d)), du, b)
+
+
+def test_linearize_is_right_through_solve_and_the_function_and_refused_on_the_op_alone():
+    """The kernel skips its tangent check while SolveFunction.forward runs it: the Function's jvp
+    rule supplies the tangent, so linearize (make_fx inside a dual level) is right through solve."""
+    dl, d, du, b = system(6)
+    reference = jacrev(lambda x: dense(dl, x, du, b))(d)
+    for f in (solve, SolveFunction.apply):
+        _, linear = torch.func.linearize(lambda x: f(dl, x, du, b), d)
+        for seed in range(3):
+            t = torch.randn(d.shape, dtype=d.dtype, generator=torch.Generator().manual_seed(seed))
+            close(linear(t), reference @ t)
+    with pytest.raises(NotImplementedError, match="make_fx"):  # the op alone would give zeros
+        torch.func.linearize(lambda x: _solve_op(dl, x, du, b), d)
 
 
 def test_a_complex_system_with_complex_entries():
@@ -278,12 +296,22 @@ def test_solve_is_the_only_public_entry_point():
 
 
 @torch_trap
-def test_forward_over_forward_through_the_function_alone_is_silently_wrong():
-    """Why solve counts forward levels: torch runs a Function's jvp with the outer level off."""
+def test_forward_over_forward_without_the_check_is_silently_wrong():
+    """Why the Function's jvp checks the stack: torch runs a Function's jvp with the outer level
+    off, so the same rules without the check give a wrong Hessian; with it, both paths refuse."""
     dl, d, du, b = system(6)
     cube = lambda f: (lambda x: f(dl, x, du, b).pow(3).sum())
-    wrong = jacfwd(jacfwd(cube(SolveFunction.apply)))(d)
+
+    class Unchecked(SolveFunction):
+        @staticmethod
+        def jvp(ctx, tdl, td, tdu, tb):
+            return minimal_op._jvp(solve, *ctx.saved_tensors, tdl, td, tdu, tb)
+
+    wrong = jacfwd(jacfwd(cube(Unchecked.apply)))(d)
     assert (wrong - hessian(cube(dense))(d)).abs().max() > 1e-3
+    for f in (solve, SolveFunction.apply):
+        with pytest.raises(NotImplementedError, match="forward over forward"):
+            jacfwd(jacfwd(cube(f)))(d)
 
 
 def test_the_refusal_lets_an_unrelated_error_through(monkeypatch):
@@ -384,19 +412,26 @@ def test_the_private_torch_names_it_uses_are_the_four_it_names():
                        "torch._functorch.pyfunctorch.retrieve_all_functorch_interpreters"]
     attributes = {node.attr for node in ast.walk(tree) if isinstance(node, ast.Attribute)
                   and node.attr.startswith("_") and not node.attr.startswith("__")}
-    assert attributes <= {"_solve_op", "_calls", "_library"} | {"_fw_primal", "_C", "_after_ADInplaceOrView_keyset",
+    assert attributes <= {"_solve_op", "_library"} | {"_fw_primal", "_C", "_after_ADInplaceOrView_keyset",
                                                                "_current_level"}, attributes
 
 
 def test_the_forward_transform_count_also_refuses_an_outer_jacfwd_that_never_reaches_solve():
-    """Chapter 8 calls the count conservative: jacfwd in a scalar a of a * (a jvp's tangent) is
-    refused through solve, though the Function alone, which the outer tangent never reaches, is right."""
+    """Chapter 8 calls the stack check conservative: jacfwd in a scalar a of a * (a jvp's tangent)
+    is refused, though the same rules without the check, which the outer tangent never reaches, are right."""
     dl, d, du, b = system(6)
     ones, a = torch.ones_like(d), torch.tensor(2.0, dtype=F64)
     outer = lambda f: jacfwd(lambda s: s * jvp(lambda x: f(dl, x, du, b), (d,), (ones,))[1])(a)
-    with pytest.raises(NotImplementedError, match="forward over forward"):
-        outer(solve)
-    close(outer(SolveFunction.apply), jvp(lambda x: dense(dl, x, du, b), (d,), (ones,))[1])
+    for f in (solve, SolveFunction.apply):
+        with pytest.raises(NotImplementedError, match="forward over forward"):
+            outer(f)
+
+    class Unchecked(SolveFunction):
+        @staticmethod
+        def jvp(ctx, tdl, td, tdu, tb):
+            return minimal_op._jvp(solve, *ctx.saved_tensors, tdl, td, tdu, tb)
+
+    close(outer(Unchecked.apply), jvp(lambda x: dense(dl, x, du, b), (d,), (ones,))[1])
 
 
 def test_dual_numbers_and_a_torch_func_jvp_nested_either_way_are_refused_by_torch():
@@ -439,6 +474,36 @@ def test_the_op_alone_refuses_dual_numbers_made_inside_compiled_code():
     # outside a dual level the fake kernel traces as before
     close(torch.compile(lambda: _solve_op(dl, d, du, b), backend="aot_eager", fullgraph=True)(), dense(dl, d, du, b))
     torch.compiler.reset()
+
+
+def test_without_the_fake_kernels_check_dual_numbers_made_inside_compiled_code_lose_their_tangent(monkeypatch):
+    """Chapter 8.10's table, the fake kernel's "without it": with a fake kernel that only gives the
+    shape, dual numbers made inside compiled code come out of the Function and the op alone with no tangent."""
+    dl, d, du, b = system(6)
+    ones = torch.ones_like(d)
+
+    def tangent(solver):
+        with fwAD.dual_level():
+            return fwAD.unpack_dual(solver(dl, fwAD.make_dual(d, ones), du, b)).tangent
+
+    monkeypatch.setattr(_solve_op, "_abstract_fn", lambda dl, d, du, b: torch.empty_like(b))
+    for solver in (SolveFunction.apply, _solve_op):
+        torch.compiler.reset()
+        assert torch.compile(lambda: tangent(solver), backend="aot_eager", fullgraph=True)() is None
+    torch.compiler.reset()
+
+
+def test_without_the_kernels_tangent_check_the_op_alone_loses_the_tangent(monkeypatch):
+    """Chapter 8.10's table, _refuse_tangents's "without it": dual numbers come out of the op alone
+    with no tangent, and linearize of the op alone gives zeros; the dense tangent is not zero."""
+    dl, d, du, b = system(6)
+    ones = torch.ones_like(d)
+    assert jvp(lambda x: dense(dl, x, du, b), (d,), (ones,))[1].abs().max() > 0.01
+    monkeypatch.setattr(minimal_op, "_refuse_tangents", lambda *tensors: None)
+    with fwAD.dual_level():
+        assert fwAD.unpack_dual(_solve_op(dl, fwAD.make_dual(d, ones), du, b)).tangent is None
+    _, linear = torch.func.linearize(lambda x: _solve_op(dl, x, du, b), d)
+    assert torch.equal(linear(ones), torch.zeros_like(d))
 
 
 def test_a_dual_level_on_one_thread_makes_the_fake_kernel_refuse_on_another():
@@ -486,9 +551,9 @@ def test_is_compiling_is_true_in_the_backend_too():
 
 
 @pytest.mark.slow
-def test_compiled_jvp_without_fullgraph_breaks_at_the_fake_kernel_and_the_interpreter_stack():
-    """Chapter 8.9: solve's compiled jvp is right without fullgraph only because of two graph breaks,
-    one at the fake kernel's dual-level refusal, one at functorch's interpreter stack."""
+def test_compiled_jvp_without_fullgraph_breaks_at_the_interpreter_stack():
+    """Chapter 8.9: solve's compiled jvp is right without fullgraph because Dynamo breaks the graph
+    at functorch's interpreter stack (read by the forward-over-forward check) and runs the rest eagerly."""
     from torch._dynamo.utils import counters
 
     dl, d, du, b = system(6)
@@ -499,6 +564,5 @@ def test_compiled_jvp_without_fullgraph_breaks_at_the_fake_kernel_and_the_interp
     reasons = [str(reason) for reason in counters["graph_break"]]
     torch.compiler.reset()
     close(tangent, jvp(lambda x: dense(dl, x, du, b), (d,), (ones,))[1])
-    assert len(reasons) == 2, reasons
-    assert any("traced inside an active forward-AD level" in reason for reason in reasons), reasons
-    assert any("get_interpreter_stack" in reason for reason in reasons), reasons
+    assert len(reasons) == 1, reasons
+    assert "get_interpreter_stack" in reasons[0], reasons

@@ -1,8 +1,8 @@
-r"""Chapter 8: an operator you can copy, a tridiagonal solve on public torch APIs (it also reads
-the text of one torch error message, in ``_refuse_tangents``, functorch's private stack of
-active transforms, in ``_count_forward_level`` and ``_refuse_func_forward``, the private set of
-dispatch keys below ``ADInplaceOrView``, in ``_refuse_func_forward``, and the private active
-forward-AD level, in the fake kernel).
+r"""Chapter 8: an operator you can copy, a tridiagonal solve on public torch APIs plus four private
+reads: the text of one torch error message, in ``_refuse_tangents``; functorch's private stack of
+active transforms, in ``_refuse_forward_over_forward`` and ``_refuse_func_forward``; the private
+set of dispatch keys below ``ADInplaceOrView``, in ``_refuse_func_forward``; and the private
+active forward-AD level, in the fake kernel.
 
 ``solve(dl, d, du, b)`` returns ``x`` with ``A x = b``, where ``A`` has the sub-diagonal ``dl``
 ``(..., n-1)``, the diagonal ``d`` ``(..., n)`` and the super-diagonal ``du`` ``(..., n-1)``, and
@@ -19,10 +19,9 @@ Two public mechanisms, each with a gap on torch 2.13, and ``solve`` picks betwee
   ``torch.func.jvp`` and ``jacfwd``);
 - the ``autograd.Function`` ``SolveFunction`` (``setup_context``, ``backward``, ``jvp``,
   ``generate_vmap_rule``)
-  calls the same op and works with the eager ``torch.func`` transforms and forward-mode AD, except
-  ``linearize`` (which traces it inside a dual level and raises) and forward over forward, which it
-  gets silently wrong; and Dynamo refuses a Function with a ``jvp``
-  under ``fullgraph=True``.
+  calls the same op and works with the eager ``torch.func`` transforms (``linearize`` included)
+  and forward-mode AD, except forward over forward, which torch would get silently wrong; and
+  Dynamo refuses a Function with a ``jvp`` under ``fullgraph=True``.
 
 So eager code runs the Function and traced code the op. Where neither is right (forward mode
 inside ``torch.compile``, tracing inside a dual level, forward over forward), ``solve`` raises
@@ -39,7 +38,7 @@ import threading
 import torch
 import torch.autograd.forward_ad as fwAD
 from scipy.linalg.lapack import get_lapack_funcs
-from torch._C._functorch import TransformType  # private, as is the next: _count_forward_level
+from torch._C._functorch import TransformType  # private, as is the next (functorch's stack)
 from torch._functorch.pyfunctorch import retrieve_all_functorch_interpreters
 
 # [/book: minimal-imports]
@@ -70,7 +69,8 @@ def _check(dl, d, du, b, devices=("cpu",)):
 def _solve_op(dl: torch.Tensor, d: torch.Tensor, du: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """The kernel: LAPACK ``?gtsv`` from SciPy, one system at a time; opaque to the compiler."""
     _check(dl, d, du, b)
-    _refuse_tangents(dl, d, du, b)
+    if not getattr(_in_function, "forward", False):  # SolveFunction supplies tangents itself
+        _refuse_tangents(dl, d, du, b)
     n, rows = b.shape[-1], b.numel() // b.shape[-1]  # one row per system of the batch
     bands = [t.detach().resolve_conj().resolve_neg().reshape(rows, t.shape[-1]).numpy()
              for t in (dl, d, du, b)]
@@ -185,6 +185,9 @@ _library.impl("solve", _refuse_func_forward, "ADInplaceOrView", with_keyset=True
 
 
 # [book: minimal-function]
+_in_function = threading.local()  # set while SolveFunction.forward runs the op, per thread
+
+
 class SolveFunction(torch.autograd.Function):
     """The op with a forward-mode rule, for eager code (``torch.func`` and dual numbers)."""
 
@@ -192,7 +195,11 @@ class SolveFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(dl, d, du, b):
-        return _solve_op(dl, d, du, b)
+        _in_function.forward = True  # the kernel skips its tangent check: this jvp rule covers it
+        try:
+            return _solve_op(dl, d, du, b)
+        finally:
+            _in_function.forward = False
 
     @staticmethod
     def setup_context(ctx, inputs, output):
@@ -206,27 +213,21 @@ class SolveFunction(torch.autograd.Function):
 
     @staticmethod
     def jvp(ctx, tdl, td, tdu, tb):
-        _count_forward_level()
+        _refuse_forward_over_forward()
         dl, d, du, x = ctx.saved_tensors
         return _jvp(solve, dl, d, du, x, tdl, td, tdu, tb)
 # [/book: minimal-function]
 
 
 # [book: minimal-solve]
-_calls = threading.local()  # forward levels seen during one call of solve, per thread
-
-
-def _count_forward_level():
-    """torch skips an outer forward level inside a Function's ``jvp``: refuse a second level, seen
-    as a second ``jvp`` call within one call of ``solve``, or as a second ``torch.func`` forward
-    transform around this one (``jacfwd`` of an inner ``jvp``'s tangent calls ``jvp`` once). torch
-    has no public API for the transforms that are active: the second test reads functorch's
-    private interpreter stack."""
-    if getattr(_calls, "levels", None) is None:  # SolveFunction applied without solve: not counted
-        return
-    _calls.levels += 1
+def _refuse_forward_over_forward():
+    """torch skips an outer forward level inside a Function's ``jvp``, so an outer derivative would
+    miss how this tangent depends on its inputs: refuse a second ``torch.func`` forward transform
+    on the stack (``jvp`` of ``jvp``, ``jacfwd`` of ``jacfwd``). torch has no public API for the
+    transforms that are active: this reads functorch's private interpreter stack. Dual numbers
+    cannot nest (torch refuses a second ``dual_level``), so the stack sees every case."""
     forward_transforms = sum(i.key() == TransformType.Jvp for i in retrieve_all_functorch_interpreters())
-    if _calls.levels > 1 or forward_transforms > 1:
+    if forward_transforms > 1:
         raise NotImplementedError(
             "tridiag_minimal.solve: forward over forward (jvp of jvp, jacfwd of jacfwd, jacfwd of a "
             "jvp's tangent) is not supported; make one of the two derivatives reverse mode: "
@@ -234,8 +235,8 @@ def _count_forward_level():
 
 
 def solve(dl: torch.Tensor, d: torch.Tensor, du: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """``x = A^{-1} b``. Eager: the Function, which the ``torch.func`` transforms accept (but
-    ``linearize`` and forward over forward, refused). Traced
+    """``x = A^{-1} b``. Eager: the Function, which the ``torch.func`` transforms accept (forward
+    over forward refused). Traced
     (``torch.compile``, ``torch.export``): the op, which Dynamo accepts under ``fullgraph=True``;
     it has no forward-mode rule, so forward mode raises there."""
     _check(dl, d, du, b)
@@ -245,11 +246,5 @@ def solve(dl: torch.Tensor, d: torch.Tensor, du: torch.Tensor, b: torch.Tensor) 
                 "tridiag_minimal.solve: forward-mode AD (jvp, jacfwd, dual numbers) inside "
                 "torch.compile is not supported; use forward mode on uncompiled calls of solve")
         return _solve_op(dl, d, du, b)
-    if getattr(_calls, "levels", None) is not None:  # a solve inside a rule of this solve
-        return SolveFunction.apply(dl, d, du, b)
-    _calls.levels = 0
-    try:
-        return SolveFunction.apply(dl, d, du, b)
-    finally:
-        _calls.levels = None
+    return SolveFunction.apply(dl, d, du, b)
 # [/book: minimal-solve]
