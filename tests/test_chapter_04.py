@@ -227,33 +227,9 @@ def test_the_break_count_follows_the_code_path_and_plain_numpy_is_traced():
     assert stops <= {"blas.py", "lapack.py"}
 
 
-@pytest.mark.slow
-def test_graphs_end_at_a_break_or_a_return_and_the_lapack_call_breaks_where_no_graph_ends():
-    """Section 4.5(a): explain's break_reasons are the graphs that end at a break, fewer than
-    graph_break_count; Dynamo's counter also holds the break at SciPy's compiled routine."""
-    lower, diag, upper, rhs = make_system(5, seed=55)
-
-    def loss(*a):
-        return tridiagonal_solve_function(*a).pow(2).sum()
-
-    torch._dynamo.reset()
-    counters.clear()
-    explanation = torch._dynamo.explain(loss)(lower, diag, upper, rhs)
-    at_break = [graph.compile_subgraph_reason.graph_break for graph in explanation.graphs]
-    assert 0 < sum(at_break) == len(explanation.break_reasons) < explanation.graph_break_count
-    assert not at_break[-1]
-    assert any("`fortran`" in message for message in counters["graph_break"])
-    assert not any("fortran" in reason.reason for reason in explanation.break_reasons)
-    assert type(scipy.linalg.lapack.dgtsv).__name__ == "fortran"
-    torch._dynamo.reset()
-
-
-@pytest.mark.slow
-def test_the_break_counter_misses_the_branch_and_dynamo_resumes_gtsv_after_the_lapack_call():
-    """Section 4.5(a): the branch on array data is in break_reasons but not in Dynamo's counter of
-    breaks (a branch, not a call); after the breaks, graphs are traced in the rest of a function
-    that was running (the rest of gtsv, after the LAPACK call, among them) and the last graph is
-    the rest of the loss."""
+def _explain_the_lapack_loss():
+    """Section 4.5(a)'s trace of the LAPACK Function's loss: explain's result, and the breaks
+    Dynamo's counter recorded meanwhile."""
     lower, diag, upper, rhs = make_system(5, seed=55)
 
     def loss(*a):
@@ -264,6 +240,29 @@ def test_the_break_counter_misses_the_branch_and_dynamo_resumes_gtsv_after_the_l
     explanation = torch._dynamo.explain(loss)(lower, diag, upper, rhs)
     at_calls = list(counters["graph_break"])
     torch._dynamo.reset()
+    return explanation, at_calls
+
+
+@pytest.mark.slow
+def test_graphs_end_at_a_break_or_a_return_and_the_lapack_call_breaks_where_no_graph_ends():
+    """Section 4.5(a): explain's break_reasons are the graphs that end at a break, fewer than
+    graph_break_count; Dynamo's counter also holds the break at SciPy's compiled routine."""
+    explanation, at_calls = _explain_the_lapack_loss()
+    at_break = [graph.compile_subgraph_reason.graph_break for graph in explanation.graphs]
+    assert 0 < sum(at_break) == len(explanation.break_reasons) < explanation.graph_break_count
+    assert not at_break[-1]
+    assert any("`fortran`" in message for message in at_calls)
+    assert not any("fortran" in reason.reason for reason in explanation.break_reasons)
+    assert type(scipy.linalg.lapack.dgtsv).__name__ == "fortran"
+
+
+@pytest.mark.slow
+def test_the_break_counter_misses_the_branch_and_dynamo_resumes_gtsv_after_the_lapack_call():
+    """Section 4.5(a): the branch on array data is in break_reasons but not in Dynamo's counter of
+    breaks (a branch, not a call); after the breaks, graphs are traced in the rest of a function
+    that was running (the rest of gtsv, after the LAPACK call, among them) and the last graph is
+    the rest of the loss."""
+    explanation, at_calls = _explain_the_lapack_loss()
     assert any(reason.reason.startswith("generic_jump") for reason in explanation.break_reasons)
     assert not any("branch" in message or "jump" in message for message in at_calls)
 
@@ -274,6 +273,7 @@ def test_the_break_counter_misses_the_branch_and_dynamo_resumes_gtsv_after_the_l
     functions = [traced_in(graph) for graph in explanation.graphs]
     assert any(name.startswith("torch_dynamo_resume_in_gtsv_at_") for name in functions), functions
     assert functions[-1].startswith("torch_dynamo_resume_in_loss_at_"), functions
+
 
 @pytest.mark.slow
 def test_the_lapack_function_breaks_alike_whether_or_not_its_inputs_require_grad():
