@@ -459,7 +459,11 @@ def test_the_timing_prose_quotes_the_stored_timing_output():
     assert f"lower quartiles of {min(step2)} to {max(step2)} ms" in prose
     summary = " ".join(next("".join(c["source"]) for c in cells
                             if "## 17.7 Summary" in "".join(c["source"])).split())
-    assert f"refinement made it about {refined / plain:.0f} times slower" in summary
+    assert (f"refined, the default that nearly singular blocks need, about {refined / gather:.0f} times "
+            f"slower ({refined:.1f} against {gather:.1f} ms)") in summary
+    # the break-even ranks, 1/P arithmetic on the printed ratios: two ranks ran at 5.4 and 44 times LAPACK
+    assert (f"about {round(2 * plain / lapack)} ranks unrefined, {round(2 * refined / lapack)} refined"
+            in prose)
 
 
 @pytest.mark.slow
