@@ -760,3 +760,48 @@ def test_the_communication_harness_measures_the_formula(capsys):
 @pytest.mark.slow  # reads the spawned jobs, as the tests SLOW_TESTS names in tests/conftest.py
 def test_record_times_each_phase(job):
     _assert_passed(job, check_phase_times)
+
+
+def test_torch_func_transforms_and_tangents_are_refused_with_the_remedy():
+    """split_solve and gather_solve are Functions for ordinary reverse mode: under a torch.func
+    transform or with a tangent on an input they raise, naming the call and what to use instead
+    (torch's own error names neither), before any collective; in a dual level without tangents,
+    and with ordinary autograd, they still solve (against the dense solve)."""
+    import torch.autograd.forward_ad as fwAD
+    from torch.func import grad, hessian, jacfwd, jacrev, jvp, vmap
+
+    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(free_port())
+    dist.init_process_group("gloo", rank=0, world_size=1, timeout=TIMEOUT)
+    try:
+        g = torch.Generator().manual_seed(7)
+        n = 8
+        lower, upper = (torch.randn(n - 1, generator=g, dtype=torch.float64) for _ in "lu")
+        diag = 4 + torch.rand(n, generator=g, dtype=torch.float64)
+        rhs = torch.randn(n, generator=g, dtype=torch.float64)
+        lo, d, up, b = ds.split_bands(lower, diag, upper, rhs, 0, 1)
+        expected = dense_solve(lower, diag, upper, rhs)
+        ones = torch.ones_like(d)
+        for solve, name in ((ds.split_solve, "split_solve"), (ds.gather_solve, "gather_solve")):
+            of_d = lambda x: solve(lo, x, up, b)  # noqa: E731
+            cases = {
+                "grad": lambda: grad(lambda x: of_d(x).pow(2).sum())(d),
+                "vmap": lambda: vmap(lambda r: solve(lo, d, up, r))(b.expand(3, -1).clone()),
+                "jvp": lambda: jvp(of_d, (d,), (ones,)),
+                "jacrev": lambda: jacrev(of_d)(d),
+                "jacfwd": lambda: jacfwd(of_d)(d),
+                "hessian": lambda: hessian(lambda x: of_d(x).pow(2).sum())(d),
+            }
+            for case, call in cases.items():
+                with pytest.raises(NotImplementedError, match=f"^{name}: torch.func transforms"):
+                    call()
+            with fwAD.dual_level():
+                with pytest.raises(NotImplementedError, match=f"^{name}: torch.func transforms"):
+                    solve(lo, fwAD.make_dual(d, ones), up, b)
+                torch.testing.assert_close(solve(lo, d, up, b), expected, rtol=1e-12, atol=1e-12)
+            x = d.clone().requires_grad_()
+            (solve(lo, x, up, b) * expected).sum().backward()
+            dense_x = diag.clone().requires_grad_()
+            (dense_solve(lower, dense_x, upper, rhs) * expected).sum().backward()
+            torch.testing.assert_close(x.grad, dense_x.grad, rtol=1e-10, atol=1e-12)
+    finally:
+        dist.destroy_process_group()

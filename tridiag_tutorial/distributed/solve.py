@@ -121,6 +121,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from .. import _compat
 from .._validation import SUPPORTED_DTYPES, broadcast_batch, check_tensors, rhs_layout
 from ..api import tridiagonal_lu_factor, tridiagonal_lu_solve, tridiagonal_solve
 from ..kernels import partitioned
@@ -776,7 +777,26 @@ class _SplitSolve(torch.autograd.Function):
         return grad_lower, grad_diag, grad_upper, v, None, None, None
 
 
+_TRANSFORMS = (
+    "{name}: torch.func transforms (grad, vmap, jvp, jacrev, jacfwd, hessian, ...) and forward-mode "
+    "AD (dual numbers with tangents) are not supported: it is an autograd.Function for ordinary "
+    "reverse mode, with a collective solve as its backward. Use loss.backward() or "
+    "torch.autograd.grad; for a transform, gather the system and use tridiagonal_solve.")
+
+
+def _refuse_transforms(name, tensors):
+    """Raise before any collective where torch would raise its own, less helpful error (a
+    ``torch.func`` transform, or a tangent on an input). Eager only: not read while compiling."""
+    if torch.compiler.is_compiling():
+        return
+    if _compat.transform_active() or (_compat.forward_ad_active() and any(
+            isinstance(t, torch.Tensor) and torch.autograd.forward_ad.unpack_dual(t).tangent is not None
+            for t in tensors)):
+        raise NotImplementedError(_TRANSFORMS.format(name=name))
+
+
 def _run(lower, diag, upper, rhs, group, steps, method, name):
+    _refuse_transforms(name, (lower, diag, upper, rhs))
     device = diag.device if isinstance(diag, torch.Tensor) else torch.device("cpu")
     with _phase("call", device):
         with _phase("validate", device):
