@@ -805,3 +805,45 @@ def test_torch_func_transforms_and_tangents_are_refused_with_the_remedy():
             torch.testing.assert_close(x.grad, dense_x.grad, rtol=1e-10, atol=1e-12)
     finally:
         dist.destroy_process_group()
+
+
+def compiled_split_solve_worker(rank, world_size, system):
+    """The split solve of one rank's rows eagerly and under torch.compile (aot_eager), without and
+    with fullgraph, and the gradient of a loss through the compiled call."""
+    pieces = ds.split_bands(*system, rank, world_size)
+    out = {"eager": ds.split_solve(*pieces)}
+    torch.compiler.reset()
+    out["compiled"] = torch.compile(ds.split_solve, backend="aot_eager")(*pieces)
+    diag = pieces[1].clone().requires_grad_()
+    torch.compile(ds.split_solve, backend="aot_eager")(pieces[0], diag, pieces[2], pieces[3]).pow(2).sum().backward()
+    out["compiled grad"] = diag.grad
+    torch.compiler.reset()
+    try:
+        torch.compile(ds.split_solve, backend="aot_eager", fullgraph=True)(*pieces)
+        out["fullgraph"] = "ran"
+    except Exception as error:  # noqa: BLE001  (what each rank saw is compared below)
+        out["fullgraph"] = type(error).__name__ + ": " + str(error).splitlines()[0]
+    torch.compiler.reset()
+    return out
+
+
+@pytest.mark.slow
+def test_the_split_solve_under_torch_compile_is_right_on_two_ranks_or_refused_on_both():
+    """torch.compile of split_solve breaks its graph at the data-dependent checks and runs the
+    collectives as in eager code: the solution and the gradient match the dense solve's; under
+    fullgraph=True every rank raises (a data-dependent guard), none hangs or answers."""
+    from tridiag_tutorial.book.multiprocess import run_on_ranks
+
+    g = torch.Generator().manual_seed(3)
+    n = 40
+    lower, upper = (torch.randn(n - 1, generator=g, dtype=torch.float64) for _ in "lu")
+    diag = 4 + torch.rand(n, generator=g, dtype=torch.float64)
+    rhs = torch.randn(n, generator=g, dtype=torch.float64)
+    expected = dense_solve(lower, diag, upper, rhs)
+    whole = diag.clone().requires_grad_()
+    dense_solve(lower, whole, upper, rhs).pow(2).sum().backward()
+    ranks = run_on_ranks(compiled_split_solve_worker, 2, (lower, diag, upper, rhs), timeout=300)
+    for key, want in (("eager", expected), ("compiled", expected), ("compiled grad", whole.grad)):
+        torch.testing.assert_close(torch.cat([r[key] for r in ranks]), want, rtol=1e-10, atol=1e-12)
+    assert all(r["fullgraph"] != "ran" and "data-dependent" in r["fullgraph"] for r in ranks), \
+        [r["fullgraph"] for r in ranks]
