@@ -140,10 +140,12 @@ def test_the_route_figures_the_chapter_quotes(route_seconds):
     assert all(spread < e for e, spread in smallest)
     # ... with IQRs of 17 to 48 µs
     assert (round(min(s for _, s in smallest)), round(max(s for _, s in smallest))) == (17, 48)
-    # ... and on the two largest cases IQRs of 84 and 826 µs, nearly their medians or more: unresolved
-    others = [extra_us("backward", n, batch) for n, batch in ((10000, 0), (256, 1024))]
-    assert all(spread > 0.9 * e for e, spread in others)
-    assert [round(spread) for _, spread in others] == [84, 826]
+    # ... 91 at n = 1e4, its IQR (84) below it: resolved; on the largest batch an IQR of 826 µs,
+    # above its median: unresolved
+    extra, spread = extra_us("backward", 10000, 0)
+    assert (round(extra), round(spread)) == (91, 84) and spread < extra
+    extra, spread = extra_us("backward", 256, 1024)
+    assert round(spread) == 826 and spread > abs(extra)
     # the first table's last columns: ch. 4 1.82 to 4.35, lapack 1.89 to 4.25
     for route, expected in (("ch4 autograd.Function", (1.82, 4.35)), ("driver='lapack'", (1.89, 4.25))):
         qs = [m(route, *c) for c in cases]
