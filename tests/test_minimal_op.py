@@ -212,8 +212,9 @@ def test_the_op_alone_refuses_dual_numbers():
 
 
 def test_the_op_alone_refuses_torch_func_forward_mode_instead_of_a_zero_tangent():
-    """Without the refusal one key below autograd, jvp and jacfwd of the op alone, and jvp through
-    an exported graph of solve, return a zero tangent; the dense reference's is not zero."""
+    """The refusal one key below autograd stops jvp and jacfwd of the op alone, and jvp through an
+    exported graph of solve, where the op has no forward rule (chapter 5's op gives a zero tangent
+    there, section 5.8); the dense reference's tangent is not zero."""
     dl, d, du, b = system(6)
     ones = torch.ones_like(d)
     assert jvp(lambda x: dense(dl, x, du, b), (d,), (ones,))[1].abs().max() > 0.01
@@ -504,6 +505,29 @@ def test_without_the_kernels_tangent_check_the_op_alone_loses_the_tangent(monkey
         assert fwAD.unpack_dual(_solve_op(dl, fwAD.make_dual(d, ones), du, b)).tangent is None
     _, linear = torch.func.linearize(lambda x: _solve_op(dl, x, du, b), d)
     assert torch.equal(linear(ones), torch.zeros_like(d))
+
+
+def test_under_make_fx_the_kernel_runs_without_ADInplaceOrView_so_unpack_dual_fails(monkeypatch):
+    """Chapter 8.6, refusal 3: linearize calls the op once eagerly, then traces it with make_fx in a
+    dual level, where torch runs the kernel with ADInplaceOrView excluded; in a dual level,
+    unpack_dual then fails on _fw_primal, so the check cannot look for tangents and refuses."""
+    dl, d, du, b = system(5)
+    key = torch._C.DispatchKey.ADInplaceOrView
+    refuse, excluded = minimal_op._refuse_tangents, []
+
+    def spy(*tensors):
+        excluded.append(torch._C._dispatch_tls_is_dispatch_key_excluded(key))
+        return refuse(*tensors)
+
+    monkeypatch.setattr(minimal_op, "_refuse_tangents", spy)
+    with pytest.raises(NotImplementedError, match="make_fx"):
+        torch.func.linearize(lambda x: _solve_op(dl, x, du, b), d)
+    assert excluded == [False, True]  # the eager call, then the traced one
+    with fwAD.dual_level(), torch._C._ExcludeDispatchKeyGuard(torch._C.DispatchKeySet(key)):
+        with pytest.raises(RuntimeError, match="_fw_primal"):
+            fwAD.unpack_dual(d)
+    with fwAD.dual_level():
+        assert fwAD.unpack_dual(d).tangent is None  # with the key, the same call answers
 
 
 def test_a_dual_level_on_one_thread_makes_the_fake_kernel_refuse_on_another():

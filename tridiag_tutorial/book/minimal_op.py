@@ -21,7 +21,8 @@ Two public mechanisms, each with a gap on torch 2.13, and ``solve`` picks betwee
   ``generate_vmap_rule``)
   calls the same op and works with the eager ``torch.func`` transforms (``linearize`` included)
   and forward-mode AD, except forward over forward, which torch would get silently wrong; and
-  Dynamo refuses a Function with a ``jvp`` under ``fullgraph=True``.
+  Dynamo refuses a Function with a ``jvp`` under ``fullgraph=True`` when an input requires grad
+  and grad mode is on.
 
 So eager code runs the Function and traced code the op. Where neither is right (forward mode
 inside ``torch.compile``, tracing inside a dual level, forward over forward), ``solve`` raises
