@@ -2,6 +2,8 @@
 (values, gradients, broadcasting, what it saves) and each limit the chapter measures (graph breaks,
 no ``torch.func``, no second derivative, CPU only)."""
 
+import re
+
 import pytest
 import scipy.linalg
 import torch
@@ -273,6 +275,33 @@ def test_the_break_counter_misses_the_branch_and_dynamo_resumes_gtsv_after_the_l
     functions = [traced_in(graph) for graph in explanation.graphs]
     assert any(name.startswith("torch_dynamo_resume_in_gtsv_at_") for name in functions), functions
     assert functions[-1].startswith("torch_dynamo_resume_in_loss_at_"), functions
+
+
+@pytest.mark.slow
+def test_the_first_graph_stops_at_the_function_call_and_the_numpy_conversions_are_in_no_graph():
+    """Section 4.5(a)'s dropdown: the first graph holds only the wrapper's unsqueeze; Dynamo resumes
+    tridiagonal_solve_function after the call (a graph with only its squeeze); no graph holds an
+    operation of _lapack_solve (the .numpy() conversions) or of lapack.solve (its reshapes)."""
+    explanation, _ = _explain_the_lapack_loss()
+
+    def ops(graph):
+        return [node for node in graph.graph.nodes if node.op in ("call_function", "call_method")]
+
+    def innermost(node):
+        return re.findall(r", in (\w+)", node.meta["stack_trace"])[-1]
+
+    def name(node):
+        return node.target if isinstance(node.target, str) else node.target.__name__
+
+    first = explanation.graphs[0]
+    assert [name(node) for node in ops(first)] == ["unsqueeze"], [name(n) for n in ops(first)]
+    resumed = [graph for graph in explanation.graphs
+               if innermost(ops(graph)[0]).startswith("torch_dynamo_resume_in_tridiagonal_solve_function_at_")]
+    assert [[name(node) for node in ops(graph)] for graph in resumed] == [["squeeze"]]
+    every = [node for graph in explanation.graphs for node in ops(graph)]
+    assert not {name(node) for node in every} & {"detach", "resolve_conj", "resolve_neg", "numpy"}
+    places = {re.sub(r"^torch_dynamo_resume_in_(\w+)_at_\d+$", r"\1", innermost(node)) for node in every}
+    assert not places & {"_lapack_solve", "solve"}, places
 
 
 @pytest.mark.slow
