@@ -70,7 +70,7 @@ def _check(dl, d, du, b, devices=("cpu",)):
 def _solve_op(dl: torch.Tensor, d: torch.Tensor, du: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """The kernel: LAPACK ``?gtsv`` from SciPy, one system at a time; opaque to the compiler."""
     _check(dl, d, du, b)
-    if not getattr(_in_function, "forward", False):  # SolveFunction supplies tangents itself
+    if not getattr(_in_function, "forward", False):  # skipped in SolveFunction: its jvp is in charge
         _refuse_tangents(dl, d, du, b)
     n, rows = b.shape[-1], b.numel() // b.shape[-1]  # one row per system of the batch
     bands = [t.detach().resolve_conj().resolve_neg().reshape(rows, t.shape[-1]).numpy()
