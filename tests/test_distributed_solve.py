@@ -813,10 +813,10 @@ def compiled_split_solve_worker(rank, world_size, system):
     pieces = ds.split_bands(*system, rank, world_size)
     out = {"eager": ds.split_solve(*pieces)}
     torch.compiler.reset()
-    out["compiled"] = torch.compile(ds.split_solve, backend="aot_eager")(*pieces)
-    diag = pieces[1].clone().requires_grad_()
-    torch.compile(ds.split_solve, backend="aot_eager")(pieces[0], diag, pieces[2], pieces[3]).pow(2).sum().backward()
-    out["compiled grad"] = diag.grad
+    diag = pieces[1].clone().requires_grad_()  # one compilation serves the solution and the gradient
+    x = torch.compile(ds.split_solve, backend="aot_eager")(pieces[0], diag, pieces[2], pieces[3])
+    x.pow(2).sum().backward()
+    out["compiled"], out["compiled grad"] = x.detach(), diag.grad
     torch.compiler.reset()
     try:
         torch.compile(ds.split_solve, backend="aot_eager", fullgraph=True)(*pieces)
