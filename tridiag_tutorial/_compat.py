@@ -68,6 +68,14 @@ def differentiation_depth() -> int:
                for i in retrieve_all_functorch_interpreters())
 
 
+def any_tangent(tensors) -> bool:
+    """Some tensor among ``tensors`` (other items are skipped) carries a forward-AD tangent of
+    the active ``dual_level``. ``unpack_dual`` may raise ``RuntimeError`` below autograd (under
+    ``make_fx``); callers that can meet that case handle it."""
+    return any(isinstance(t, torch.Tensor) and forward_ad.unpack_dual(t).tangent is not None
+               for t in tensors)
+
+
 def outer_autograd_records(*tensors: torch.Tensor | None) -> bool:
     """Ordinary autograd, below every ``torch.func`` level, records this call: some input's
     innermost tensor (under every functorch wrapper) requires grad while grad mode was on outside

@@ -100,8 +100,7 @@ def _refuse_tangents(*tensors) -> None:
     """A tangent on an input of the kernel would be dropped: raise. Inside an autograd.Function's
     ``forward`` (the eager path), forward AD is off and no tangent shows."""
     try:
-        lost = any(t is not None and forward_ad.unpack_dual(t).tangent is not None
-                   for t in tensors)
+        lost = _compat.any_tangent(tensors)
     except RuntimeError:  # where the kernel runs below autograd, unpack_dual may not answer;
         return            # _refuse_untraced_duals_under_compile refuses such traces
     if lost:

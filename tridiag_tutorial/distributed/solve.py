@@ -789,9 +789,7 @@ def _refuse_transforms(name, tensors):
     ``torch.func`` transform, or a tangent on an input). Eager only: not read while compiling."""
     if torch.compiler.is_compiling():
         return
-    if _compat.transform_active() or (_compat.forward_ad_active() and any(
-            isinstance(t, torch.Tensor) and torch.autograd.forward_ad.unpack_dual(t).tangent is not None
-            for t in tensors)):
+    if _compat.transform_active() or (_compat.forward_ad_active() and _compat.any_tangent(tensors)):
         raise NotImplementedError(_TRANSFORMS.format(name=name))
 
 
