@@ -296,17 +296,20 @@ def test_solve_is_the_only_public_entry_point():
     assert not [name for name in vars(minimal_op) if name.endswith("_op") and not name.startswith("_")]
 
 
+class Unchecked(SolveFunction):
+    """The Function's rules without its forward-over-forward check."""
+
+    @staticmethod
+    def jvp(ctx, tdl, td, tdu, tb):
+        return minimal_op._jvp(solve, *ctx.saved_tensors, tdl, td, tdu, tb)
+
+
 @torch_trap
 def test_forward_over_forward_without_the_check_is_silently_wrong():
     """Why the Function's jvp checks the stack: torch runs a Function's jvp with the outer level
     off, so the same rules without the check give a wrong Hessian; with it, both paths refuse."""
     dl, d, du, b = system(6)
     cube = lambda f: (lambda x: f(dl, x, du, b).pow(3).sum())
-
-    class Unchecked(SolveFunction):
-        @staticmethod
-        def jvp(ctx, tdl, td, tdu, tb):
-            return minimal_op._jvp(solve, *ctx.saved_tensors, tdl, td, tdu, tb)
 
     wrong = jacfwd(jacfwd(cube(Unchecked.apply)))(d)
     assert (wrong - hessian(cube(dense))(d)).abs().max() > 1e-3
@@ -426,11 +429,6 @@ def test_the_forward_transform_count_also_refuses_an_outer_jacfwd_that_never_rea
     for f in (solve, SolveFunction.apply):
         with pytest.raises(NotImplementedError, match="forward over forward"):
             outer(f)
-
-    class Unchecked(SolveFunction):
-        @staticmethod
-        def jvp(ctx, tdl, td, tdu, tb):
-            return minimal_op._jvp(solve, *ctx.saved_tensors, tdl, td, tdu, tb)
 
     close(outer(Unchecked.apply), jvp(lambda x: dense(dl, x, du, b), (d,), (ones,))[1])
 
