@@ -18,9 +18,15 @@ $(STAMP): requirements-pinned.txt pyproject.toml setup.py $(wildcard tridiag_tut
 
 test: lint unit wheel-test nbval
 
-# The edit-test loop, under a minute: 25 to 44 s on the 2-core development machine (`time make
-# check`, venv built, pytest start-up included, the machine more or less busy; about 2250 tests; 100
-# to 190 s before the slow set was widened). It runs the unit tests less those marked `book` (the
+# The unit tests and the chapters run on WORKERS pytest-xdist workers (2: the CI machine's cores;
+# WORKERS=0 runs them in one process). `loadgroup` keeps a module whose fixture is expensive on
+# one worker, and without the reorder the longest tests start first (tests/conftest.py).
+WORKERS ?= 2
+export WORKERS  # to .ci/test_wheel.sh and .ci/nbval_from_wheel.sh
+XDIST := -n $(WORKERS) --dist loadgroup --no-loadscope-reorder
+
+# The edit-test loop: about 2900 tests in 174 s on two workers, 231 s in one process (pytest's
+# figures, the 2-core development machine (AMD EPYC), quiet, venv built). It runs the unit tests less those marked `book` (the
 # book build and the rendered HTML) and `slow` (listed by name in tests/conftest.py: torch.compile
 # of most graphs and Inductor, every composition on every kernel, the factored solve on every kernel
 # and size, gradcheck at larger sizes, in complex128 and on every kernel, opcheck of every
@@ -35,7 +41,7 @@ test: lint unit wheel-test nbval
 # to n = 4099, and a few compiled graphs.
 # `make unit` (part of `make test`) runs everything, slow and book tests included.
 check: $(STAMP)
-	$(PY) -m pytest tests -q -m "not book and not slow"
+	$(PY) -m pytest tests -q -m "not book and not slow" $(XDIST)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
@@ -45,7 +51,7 @@ lint: $(STAMP)
 # one they are skipped with that advice (in CI, CI=true, they fail). The log ends with the 30
 # slowest tests, to show where the suite's time goes.
 unit: $(STAMP)
-	$(PY) -m pytest tests --durations=30
+	$(PY) -m pytest tests --durations=30 $(XDIST)
 
 # The binary wheel as a release ships it (.ci/build_wheel.sh: pip wheel against the pinned torch,
 # then auditwheel repair: a stripped cp311-abi3 manylinux wheel without torch's libraries), built

@@ -19,7 +19,7 @@ fi
 python3 -m venv "$work/venv"
 py="$work/venv/bin/python"
 "$py" -m pip install --quiet --constraint "$repo/requirements-pinned.txt" \
-    torch numpy scipy matplotlib matplotlib-inline ipykernel nbval pytest jax jaxlib
+    torch numpy scipy matplotlib matplotlib-inline ipykernel nbval pytest pytest-xdist jax jaxlib
 "$py" -m pip install --quiet --no-deps "$work"/dist/*.whl
 
 cp -r "$repo/notebooks" "$work/notebooks"
@@ -39,4 +39,7 @@ if shutil.which("c++") and not tridiag_tutorial.cpp_available():
     sys.exit(f"the wheel was built without its C++ kernel although c++ is here: {compiled.BUILD_ERROR}")
 print("C++ kernel:", "in the wheel" if tridiag_tutorial.cpp_available() else "not built")
 PY
-"$py" -m pytest -p no:cacheprovider --nbval --nbval-sanitize-with nbval-sanitize.cfg "${@:-.}"
+# On WORKERS pytest-xdist workers (2 unless set; 0: one process), each notebook whole on one
+# worker (--dist loadfile: its cells share one kernel, in order).
+"$py" -m pytest -p no:cacheprovider -n "${WORKERS:-2}" --dist loadfile \
+    --nbval --nbval-sanitize-with nbval-sanitize.cfg "${@:-.}"

@@ -11,7 +11,7 @@ wheel=$(cd "$(dirname "$1")" && pwd)/$(basename "$1")
 shift
 versions=("${@:-2.13.0}")
 [ $# -gt 0 ] || versions=(2.13.0 2.14.1)
-pins=$(grep -E '^(numpy|scipy|pytest|iniconfig|pluggy|packaging|psutil)==' "$repo/requirements-pinned.txt")
+pins=$(grep -E '^(numpy|scipy|pytest|pytest-xdist|execnet|iniconfig|pluggy|packaging|psutil)==' "$repo/requirements-pinned.txt")
 
 for version in "${versions[@]}"; do
     work=$(mktemp -d "${TMPDIR:-/tmp}/tridiag-wheel-test.XXXXXX")
@@ -36,7 +36,7 @@ assert tridiag_tutorial.cpp_available(), compiled.BUILD_ERROR
 print(f"torch {torch.__version__}: tridiag_tutorial from {where.rsplit('/', 2)[0]}, C++ kernel loaded")
 PY
     "$work/venv/bin/pytest" "$repo/tests" --rootdir "$repo" -c "$repo/pyproject.toml" -q \
-        -p no:cacheprovider -m "not book and not slow" \
+        -p no:cacheprovider -m "not book and not slow" -n "${WORKERS:-2}" \
         --ignore="$repo/tests/test_book_html.py" --ignore="$repo/tests/test_publishing.py" \
         --ignore="$repo/tests/browser_check.py"
     cd "$repo"

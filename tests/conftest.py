@@ -110,7 +110,7 @@ KERNELS = list(kernels.DRIVERS)
 
 # ----------------------------------------------------------------------------------------------
 # The `slow` marker (registered in pyproject.toml). `make check` runs `-m "not book and not slow"`
-# (under a minute on a 2-core machine: see the Makefile), `make unit` runs everything. The marks
+# (about three minutes on a 2-core machine: see the Makefile), `make unit` runs everything. The marks
 # are set here by name, so that the test files need none (a test may still carry
 # @pytest.mark.slow itself). Seconds: `pytest --durations` on the 2-core development machine,
 # which was busy: rough figures (two figures: a quiet and a busy run).
@@ -239,10 +239,35 @@ SLOW_TESTS = {
 }
 
 
+# `make unit` runs on two pytest-xdist workers (`-n 2 --dist loadgroup`). The tests of a module
+# whose module- or session-scoped fixture is expensive (a built book, a wheel, processes started
+# for every test) stay on one worker, so that the fixture is built once; and the longest tests
+# (a chapter executed top to bottom, a package built and installed: 1 to 5 minutes each) are
+# handed out first, so that neither worker is left with one of them at the end.
+GROUPED_MODULES = {
+    "test_benchmarks", "test_book_html", "test_chapter_13", "test_compiled", "test_deploy",
+    "test_distributed_solve", "test_install", "test_multiprocess", "test_pip_install", "test_routes",
+}
+LONGEST_FIRST = ("test_chapters_without_cpp", "test_pip_install", "test_book_html",
+                 "test_chapter_12::test_the_chapter_runs_opened_alone",
+                 "test_partitioned::test_gradcheck_forward_ad_and_second_order_on_the_partitioned_kernel",
+                 "test_pieces::test_sixteen_byte_lanes_pass_the_same_tests")
+
+
+def _longest_first(item) -> int:
+    """The position in LONGEST_FIRST of the module or test ``item`` belongs to (len if none)."""
+    function = getattr(item, "originalname", None) or item.name.split("[")[0]
+    for rank, name in enumerate(LONGEST_FIRST):
+        if name in (item.path.stem, f"{item.path.stem}::{function}"):
+            return rank
+    return len(LONGEST_FIRST)
+
+
 @pytest.hookimpl(tryfirst=True)  # before `-m` deselects by marker
 def pytest_collection_modifyitems(config, items):
-    """Mark the tests of SLOW_MODULES and SLOW_TESTS ``slow``; warn about a name in SLOW_TESTS
-    that its module no longer defines (a renamed test would silently join `make check`)."""
+    """Mark the tests of SLOW_MODULES and SLOW_TESTS ``slow`` and those of GROUPED_MODULES with
+    their xdist group; put LONGEST_FIRST first; warn about a name in SLOW_TESTS that its module
+    no longer defines (a renamed test would silently join `make check`)."""
     import re
     import warnings
 
@@ -255,8 +280,11 @@ def pytest_collection_modifyitems(config, items):
         if (module in SLOW_MODULES or f"{module}::{function}" in SLOW_TESTS
                 or any(prefix.match(f"{module}::{item.name}") for prefix in prefixes)):
             item.add_marker(pytest.mark.slow)
+        if module in GROUPED_MODULES:
+            item.add_marker(pytest.mark.xdist_group(module))
         if getattr(item, "module", None) is not None:
             seen[module] = item.module
+    items.sort(key=_longest_first)  # stable: the rest keep their order
     for name in sorted(SLOW_TESTS):
         module, function = name.split("[")[0].split("::")
         if module in seen and not hasattr(seen[module], function):
