@@ -624,3 +624,47 @@ def test_refinement_is_what_keeps_a_nearly_singular_block_within_lapacks_error()
     assert round(math.log10(unrefined_error / lapack_error)) == 7
     assert refined_error < lapack_error
     assert round(math.log10(refined_error / lapack_error)) == -1
+
+
+def test_the_backward_is_one_all_gather_then_a_split_solve_with_the_conjugate_transpose():
+    """Section 17.5: the backward of split_solve all-gathers once (couplings and the ends of x), then
+    runs the forward's split solve (its collectives less the validation) with A^H; the right-hand
+    side's gradient is v = A^-H g, checked against a solve with the transposed bands."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", rank=0, world_size=1, store=dist.HashStore())
+    try:
+        system = parallel_demos.random_system(50)
+        pieces = [t.clone().requires_grad_() for t in distributed.split_bands(*system, 0, 1)]
+        with distributed.record() as forward:
+            x = distributed.split_solve(*pieces)
+        with distributed.record() as backward:
+            grads = torch.autograd.grad(x.square().sum(), pieces)
+    finally:
+        dist.destroy_process_group()
+    forward_names = [what for what, _, _ in forward.collectives]
+    backward_names = [what for what, _, _ in backward.collectives]
+    assert forward_names[0] == "validate" and backward_names[0] == "backward_neighbours"
+    assert backward_names[1:] == forward_names[1:] and backward.solves == 1
+    lower, diag, upper, _ = system
+    v = tridiagonal_solve(upper, diag, lower, 2 * x.detach(), driver="lapack")  # A^T v = g, g = 2x
+    torch.testing.assert_close(grads[3], v, rtol=1e-10, atol=1e-12)
+
+
+def test_a_torch_func_transform_is_refused_before_the_group_is_needed():
+    """Section 17.5: in a process with no process group, a plain split_solve fails in its
+    validation (which needs the group), but under torch.func.grad the refusal comes first and
+    names the remedies."""
+    import torch.distributed as dist
+
+    assert not dist.is_initialized()
+    pieces = distributed.split_bands(*parallel_demos.random_system(8), 0, 1)
+
+    def loss(diag):
+        return distributed.split_solve(pieces[0], diag, *pieces[2:]).square().sum()
+
+    with pytest.raises(RuntimeError, match="init_process_group"):
+        loss(pieces[1])
+    with pytest.raises(NotImplementedError, match=r"^split_solve: torch\.func") as refused:
+        torch.func.grad(loss)(pieces[1])
+    assert "loss.backward()" in str(refused.value) and "tridiagonal_solve" in str(refused.value)

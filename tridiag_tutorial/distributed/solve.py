@@ -746,6 +746,7 @@ class _SplitSolve(torch.autograd.Function):
         ctx.layout, ctx.steps, ctx.method = layout, steps, method
         return x
 
+    # [book: split-solve-backward]
     @staticmethod
     def backward(ctx, grad_x):
         if torch.is_grad_enabled():  # create_graph=True: a derivative of this backward is asked for
