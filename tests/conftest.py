@@ -1,5 +1,7 @@
 """Shared test helpers: one tolerance table keyed by dtype, seeded random systems, kernels."""
 
+import contextlib
+
 import pytest
 import torch
 
@@ -81,6 +83,22 @@ def _reset_dynamo():
     """Compiled state left by one test (explain, compile caches) must not leak into another."""
     yield
     torch._dynamo.reset()
+
+
+@contextlib.contextmanager
+def one_rank_group(timeout_s: float = 60):
+    """A gloo process group of one rank in this process (an in-memory store: no port), destroyed
+    on exit: the split solve with P = 1, and what it refuses before any collective."""
+    import datetime
+
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", rank=0, world_size=1, store=dist.HashStore(),
+                            timeout=datetime.timedelta(seconds=timeout_s))
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
 
 
 def require_cpp():
@@ -254,11 +272,15 @@ LONGEST_FIRST = ("test_chapters_without_cpp", "test_pip_install", "test_book_htm
                  "test_pieces::test_sixteen_byte_lanes_pass_the_same_tests")
 
 
+def _function(item) -> str:
+    """The name of the test function ``item`` runs, without its parameters."""
+    return getattr(item, "originalname", None) or item.name.split("[")[0]
+
+
 def _longest_first(item) -> int:
     """The position in LONGEST_FIRST of the module or test ``item`` belongs to (len if none)."""
-    function = getattr(item, "originalname", None) or item.name.split("[")[0]
     for rank, name in enumerate(LONGEST_FIRST):
-        if name in (item.path.stem, f"{item.path.stem}::{function}"):
+        if name in (item.path.stem, f"{item.path.stem}::{_function(item)}"):
             return rank
     return len(LONGEST_FIRST)
 
@@ -276,7 +298,7 @@ def pytest_collection_modifyitems(config, items):
     seen = {}
     for item in items:
         module = item.path.stem
-        function = getattr(item, "originalname", None) or item.name.split("[")[0]
+        function = _function(item)
         if (module in SLOW_MODULES or f"{module}::{function}" in SLOW_TESTS
                 or any(prefix.match(f"{module}::{item.name}") for prefix in prefixes)):
             item.add_marker(pytest.mark.slow)

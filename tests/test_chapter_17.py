@@ -15,6 +15,8 @@ from tridiag_tutorial import distributed, tridiag_matmul, tridiagonal_lu_factor,
 from tridiag_tutorial.book import parallel_demos
 from tridiag_tutorial.book.multiprocess import WorkerError, run_on_ranks
 
+from conftest import one_rank_group
+
 F64 = torch.float64
 
 
@@ -630,18 +632,13 @@ def test_the_backward_is_one_all_gather_then_a_split_solve_with_the_conjugate_tr
     """Section 17.5: the backward of split_solve all-gathers once (couplings and the ends of x), then
     runs the forward's split solve (its collectives less the validation) with A^H; the right-hand
     side's gradient is v = A^-H g, checked against a solve with the transposed bands."""
-    import torch.distributed as dist
-
-    dist.init_process_group("gloo", rank=0, world_size=1, store=dist.HashStore())
-    try:
+    with one_rank_group():
         system = parallel_demos.random_system(50)
         pieces = [t.clone().requires_grad_() for t in distributed.split_bands(*system, 0, 1)]
         with distributed.record() as forward:
             x = distributed.split_solve(*pieces)
         with distributed.record() as backward:
             grads = torch.autograd.grad(x.square().sum(), pieces)
-    finally:
-        dist.destroy_process_group()
     forward_names = [what for what, _, _ in forward.collectives]
     backward_names = [what for what, _, _ in backward.collectives]
     assert forward_names[0] == "validate" and backward_names[0] == "backward_neighbours"

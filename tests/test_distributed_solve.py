@@ -36,7 +36,7 @@ from tridiag_tutorial.book.multiprocess import free_port
 from tridiag_tutorial.kernels import lapack
 from tridiag_tutorial.reference import dense_solve
 
-from conftest import make_system
+from conftest import make_system, one_rank_group
 
 WORLD_SIZES = [2, 4]
 TIMEOUT = datetime.timedelta(seconds=60)
@@ -717,9 +717,7 @@ def test_gradients_of_broadcast_bands_are_summed_over_the_batch():
     """Bands ``(1, m)`` beside a right-hand side ``(3, m)`` broadcast inside the split solve, so
     their gradients are sums over the batch, as ``tridiagonal_solve``'s are: checked in a group of
     one rank in this process (the split solve with P = 1 is the reduced system of one piece)."""
-    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(free_port())
-    dist.init_process_group("gloo", rank=0, world_size=1, timeout=TIMEOUT)
-    try:
+    with one_rank_group():
         g = torch.Generator().manual_seed(5)
         n = 9
         lower, upper = (torch.randn(1, n - 1, generator=g, dtype=torch.float64) for _ in "lu")
@@ -740,8 +738,6 @@ def test_gradients_of_broadcast_bands_are_summed_over_the_batch():
         for got, ref in ((grads[0][..., 1:], want[0]), (grads[1], want[1]),
                          (grads[2][..., :-1], want[2]), (grads[3], want[3])):
             torch.testing.assert_close(got, ref, rtol=1e-10, atol=1e-12)
-    finally:
-        dist.destroy_process_group()
 
 
 @pytest.mark.slow
@@ -770,9 +766,7 @@ def test_torch_func_transforms_and_tangents_are_refused_with_the_remedy():
     import torch.autograd.forward_ad as fwAD
     from torch.func import grad, hessian, jacfwd, jacrev, jvp, vmap
 
-    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(free_port())
-    dist.init_process_group("gloo", rank=0, world_size=1, timeout=TIMEOUT)
-    try:
+    with one_rank_group():
         g = torch.Generator().manual_seed(7)
         n = 8
         lower, upper = (torch.randn(n - 1, generator=g, dtype=torch.float64) for _ in "lu")
@@ -803,8 +797,6 @@ def test_torch_func_transforms_and_tangents_are_refused_with_the_remedy():
             dense_x = diag.clone().requires_grad_()
             (dense_solve(lower, dense_x, upper, rhs) * expected).sum().backward()
             torch.testing.assert_close(x.grad, dense_x.grad, rtol=1e-10, atol=1e-12)
-    finally:
-        dist.destroy_process_group()
 
 
 def compiled_split_solve_worker(rank, world_size, system):
