@@ -8,6 +8,7 @@ kernel is the library's own (``csrc/tridiag.cpp`` defines the schemas of ``solve
 must equal the eager module's. Without ``load_library`` the package cannot be loaded at all.
 """
 
+import os
 import subprocess
 import sys
 import textwrap
@@ -86,9 +87,12 @@ def _run_child(lib: str, package, tmp_path):
     gen = torch.Generator().manual_seed(24)
     xs = [torch.randn(b, N, dtype=torch.float64, generator=gen) for b in RUN_BATCHES]
     torch.save(xs, inputs)
+    # TMPDIR: the package loader unpacks into a fresh aotinductor_* folder there and leaves it
+    # behind when loading fails; under tmp_path it goes when pytest clears its old folders.
     proc = subprocess.run(
         [sys.executable, "-c", CHILD, lib, str(package), str(inputs), str(outputs)],
-        cwd=tmp_path, capture_output=True, text=True, timeout=300)
+        cwd=tmp_path, capture_output=True, text=True, timeout=300,
+        env={**os.environ, "TMPDIR": str(tmp_path)})
     return proc, xs, outputs
 
 
