@@ -350,3 +350,32 @@ def test_a_compiled_grad_inside_ordinary_autograd_is_refused_or_run_eagerly():
     with pytest.raises(torch._dynamo.exc.Unsupported, match="outer gradient"):
         torch.compile(gradient_of(tridiagonal_solve), backend="aot_eager", fullgraph=True)(d)
     torch.compiler.reset()
+
+
+CHAPTER = Path(__file__).resolve().parents[1] / "notebooks" / "13_production_op.ipynb"
+
+
+@pytest.fixture(scope="module")
+def chapters_cube():
+    """Section 13.5's copyable pattern (a toy op with a single-level Autograd kernel), run from
+    the notebook's own cell."""
+    (cell,) = [c for c in json.loads(CHAPTER.read_text())["cells"] if c.get("id") == "single-level-pattern"]
+    exec(compile("".join(cell["source"]), str(CHAPTER), "exec"), {"torch": torch})
+    return torch.ops.toy13.cube
+
+
+def test_the_chapters_single_level_pattern_differentiates_once_and_refuses_nesting(chapters_cube):
+    # the pattern's derivative against finite differences (gradcheck, reverse and forward mode),
+    # then compiled grad and jvp against the exact 3 t^2, and compiled grad(grad) refused
+    t = torch.linspace(-1.5, 1.5, 7, dtype=F64)
+    assert torch.autograd.gradcheck(chapters_cube, (t.clone().requires_grad_(),), check_forward_ad=True)
+    jobs = [lambda: grad(lambda x: chapters_cube(x).sum())(t),
+            lambda: jvp(chapters_cube, (t,), (torch.ones_like(t),))[1]]
+    for job in jobs:
+        torch.compiler.reset()
+        close(torch.compile(job, backend="aot_eager", fullgraph=True)(), 3 * t * t)
+    torch.compiler.reset()
+    nested = lambda: grad(lambda y: grad(lambda x: chapters_cube(x).sum())(y).sum())(t)
+    with pytest.raises(Exception, match="cube: nested differentiation"):
+        torch.compile(nested, backend="aot_eager", fullgraph=True)()
+    torch.compiler.reset()
