@@ -433,6 +433,23 @@ def test_the_forward_transform_count_also_refuses_an_outer_jacfwd_that_never_rea
     close(outer(Unchecked.apply), jvp(lambda x: dense(dl, x, du, b), (d,), (ones,))[1])
 
 
+def test_the_op_alone_refuses_jvp_even_for_an_input_that_never_reaches_it():
+    """Chapter 8: refusal 4 reads only the top of functorch's stack, not the inputs, so jvp in a
+    scalar c of op(...) * c is refused, on the op and in an exported module, though eager solve is right."""
+    dl, d, du, b = system(6)
+    c, one = torch.tensor(2.0, dtype=F64), torch.tensor(1.0, dtype=F64)
+
+    class Scaled(torch.nn.Module):
+        def forward(self, dl, d, du, b, c):
+            return solve(dl, d, du, b) * c
+
+    exported = torch.export.export(Scaled(), (dl, d, du, b, c)).module()
+    for f in (lambda c: _solve_op(dl, d, du, b) * c, lambda c: exported(dl, d, du, b, c)):
+        with pytest.raises(NotImplementedError, match="torch.func forward mode"):
+            jvp(f, (c,), (one,))
+    close(jvp(lambda c: solve(dl, d, du, b) * c, (c,), (one,))[1], dense(dl, d, du, b))
+
+
 def test_dual_numbers_and_a_torch_func_jvp_nested_either_way_are_refused_by_torch():
     """Chapter 8's refusals leave this nesting to torch: dual numbers around torch.func.jvp through
     solve, and the reverse, raise torch's own error rather than give a silent answer."""
