@@ -23,6 +23,9 @@ def test_private_names_exist():
     assert isinstance(torch._functorch.eager_transforms.JVP_NESTING, int)
     assert torch._C._is_fwd_grad_enabled() is True
     from torch.utils._python_dispatch import _get_current_dispatch_mode  # noqa: F401
+    from torch.utils._device import DeviceContext
+    assert issubclass(DeviceContext, torch.overrides.TorchFunctionMode)
+    assert callable(torch._C._len_torch_function_stack) and callable(torch._C._get_function_stack_at)
 
 
 def test_transform_depths_are_detected():
@@ -91,6 +94,47 @@ def test_jvp_nesting_and_forward_grad_mode_are_what_the_dual_level_checks_read()
     jvp(f, (x,), (x,))
     assert seen == {"jvp nesting": 1, "in a Function's forward": False}
     assert _compat.jvp_nesting() == 0
+
+def test_a_default_device_is_no_mode_for_the_fast_path(monkeypatch):
+    """torch.set_default_device and ``with torch.device(...)`` install torch's DeviceContext, a
+    TorchFunctionMode that only redirects factory functions: the fast path ignores it (without
+    this a call there took the general path, about ten times as long at n = 100), but not a mode
+    entered inside it. The solve of CPU tensors stays on the CPU, right, with its gradient."""
+    import tridiag_tutorial
+    from tridiag_tutorial import api
+
+    g = torch.Generator().manual_seed(0)
+    lower, upper = (torch.randn(4, 99, generator=g, dtype=torch.float64) for _ in range(2))
+    diag = torch.randn(4, 100, generator=g, dtype=torch.float64) + 4
+    rhs = torch.randn(4, 100, generator=g, dtype=torch.float64)
+    dense = torch.diag_embed(diag) + torch.diag_embed(lower, -1) + torch.diag_embed(upper, 1)
+    expected = torch.linalg.solve(dense, rhs)
+    expected_grad = torch.linalg.solve(dense.mT, torch.ones_like(rhs))  # of x.sum() in rhs
+    # the general path: api._solve where the C++ fast path exists, else the dispatcher's
+    spied, name = (api, "_solve") if tridiag_tutorial.cpp_available() else (functions, "_apply")
+    general = []
+    real = getattr(spied, name)
+    monkeypatch.setattr(spied, name, lambda *a: general.append(name) or real(*a))
+    for device in ("cpu", "meta"):
+        with torch.device(device):
+            assert not _compat.mode_active()
+            with torch.overrides.TorchFunctionMode():
+                assert _compat.mode_active()
+            x = tridiag_tutorial.tridiagonal_solve(lower, diag, upper, rhs)
+            assert general == [], general  # the fast path (or the direct kernel) ran
+            b = rhs.clone().requires_grad_()
+            tridiag_tutorial.tridiagonal_solve(lower, diag, upper, b).sum().backward()
+        assert x.device.type == "cpu" and b.grad.device.type == "cpu"
+        torch.testing.assert_close(x, expected, rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(b.grad, expected_grad, rtol=1e-12, atol=1e-12)
+        general.clear()
+    torch.set_default_device("cpu")
+    try:
+        assert not _compat.mode_active()
+    finally:
+        torch.set_default_device(None)
+    assert not _compat.mode_active()
+
 
 def test_fast_path_detectors_see_what_they_name():
     """Each check the fast path relies on answers True exactly where it says it does."""

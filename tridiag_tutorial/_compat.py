@@ -17,6 +17,7 @@ from torch._functorch import eager_transforms as _eager_transforms
 from torch._functorch.pyfunctorch import retrieve_all_functorch_interpreters
 from torch._functorch.utils import enable_single_level_autograd_function, unwrap_dead_wrappers
 from torch.autograd import forward_ad
+from torch.utils._device import DeviceContext  # private: torch.set_default_device's mode
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 __all__ = ["SingleLevelFunction", "enable_single_level_autograd_function",
@@ -103,8 +104,16 @@ def outer_autograd_records(*tensors: torch.Tensor | None) -> bool:
 # The fast path's checks (functions._direct, functions._unobserved): is anything but the result watching?
 def mode_active() -> bool:
     """A ``TorchDispatchMode`` (FakeTensorMode, FlopCounterMode, ...) or a ``TorchFunctionMode``
-    is installed: the call must go through the dispatcher so that the mode sees it."""
-    return _get_current_dispatch_mode() is not None or torch._C._is_torch_function_mode_enabled()
+    is installed: the call must go through the dispatcher so that the mode sees it. Torch's
+    ``DeviceContext`` (``torch.set_default_device``, ``with torch.device(...)``) does not count:
+    it only sets where factory functions allocate, and a solve of given tensors calls none that
+    it changes (the kernels allocate like their inputs)."""
+    if _get_current_dispatch_mode() is not None:
+        return True
+    if not torch._C._is_torch_function_mode_enabled():
+        return False
+    stack = range(torch._C._len_torch_function_stack())  # private: the installed function modes
+    return not all(isinstance(torch._C._get_function_stack_at(i), DeviceContext) for i in stack)
 
 
 def transform_active() -> bool:
