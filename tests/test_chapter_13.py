@@ -379,3 +379,33 @@ def test_the_chapters_single_level_pattern_differentiates_once_and_refuses_nesti
     with pytest.raises(Exception, match="cube: nested differentiation"):
         torch.compile(nested, backend="aot_eager", fullgraph=True)()
     torch.compiler.reset()
+
+
+def test_the_toy_without_13_6s_refusals_is_silently_wrong_where_the_package_raises(chapters_cube):
+    # section 13.5: the toy lacks two of the package's refusals, so "unsafe". A compiled gradient
+    # penalty of sum(cube(x)^2) (inner gradient 6 t^5, penalty 36 sum t^10) must have outer
+    # gradient 360 t^9; the toy's misses the term through cube(x). A dual made outside a compiled
+    # call loses its tangent (exact: 3 t^2). The package's op raises in both cases.
+    t = torch.linspace(-1.5, 1.5, 7, dtype=F64)
+    d = t.clone().requires_grad_()
+    compiled = lambda solve: torch.compile(lambda x: grad(lambda y: solve(y).square().sum())(x),
+                                           backend="aot_eager", fullgraph=True)
+    torch.compiler.reset()
+    outer = torch.autograd.grad(compiled(chapters_cube)(d).square().sum(), d)[0]
+    assert not torch.allclose(outer, 360 * t**9, rtol=1e-3)
+    dl, dd, du, b = make_system(7, seed=1)
+    torch.compiler.reset()
+    with pytest.raises(torch._dynamo.exc.Unsupported, match="ordinary autograd also records"):
+        compiled(lambda y: tridiagonal_solve(dl, y, du, b))(dd.clone().requires_grad_())
+    for op, raises in [(chapters_cube, False), (lambda y: tridiagonal_solve(dl, y, du, b), True)]:
+        torch.compiler.reset()
+        with fwAD.dual_level():
+            dual = fwAD.make_dual(t, torch.ones_like(t))
+            call = lambda: torch.compile(op, backend="aot_eager", fullgraph=True)(dual)
+            if raises:
+                with pytest.raises(torch._dynamo.exc.Unsupported, match="without a traced tangent"):
+                    call()
+            else:
+                tangent = fwAD.unpack_dual(call()).tangent
+                assert tangent is None or not torch.allclose(tangent, 3 * t * t)
+    torch.compiler.reset()

@@ -22,8 +22,8 @@ def test_private_names_exist():
     assert callable(GradInterpreter.prev_grad_mode)
     assert isinstance(torch._functorch.eager_transforms.JVP_NESTING, int)
     assert torch._C._is_fwd_grad_enabled() is True
-    from torch.utils._python_dispatch import _get_current_dispatch_mode  # noqa: F401
     from torch.utils._device import DeviceContext
+    from torch.utils._python_dispatch import _get_current_dispatch_mode  # noqa: F401
     assert issubclass(DeviceContext, torch.overrides.TorchFunctionMode)
     assert callable(torch._C._len_torch_function_stack) and callable(torch._C._get_function_stack_at)
 
