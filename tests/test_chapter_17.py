@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from tridiag_tutorial import distributed, tridiag_matmul, tridiagonal_lu_factor, tridiagonal_solve
+from tridiag_tutorial.bench import accuracy
 from tridiag_tutorial.book import parallel_demos
 from tridiag_tutorial.book.multiprocess import WorkerError, run_on_ranks
 
@@ -33,14 +34,10 @@ def _backward_error(lower, diag, upper, rhs, x):
 
 def _backward_error_long(lower, diag, upper, rhs, x):
     """The componentwise backward error with the residual b - A x in NumPy's longdouble."""
-    lo, d, up, b, xl = (t.numpy().astype(np.longdouble) for t in (lower, diag, upper, rhs, x))
-    ax = d * xl
-    ax[1:] += lo * xl[:-1]
-    ax[:-1] += up * xl[1:]
-    scale = np.abs(d) * np.abs(xl) + np.abs(b)
-    scale[1:] += np.abs(lo) * np.abs(xl[:-1])
-    scale[:-1] += np.abs(up) * np.abs(xl[1:])
-    return float(np.max(np.abs(b - ax) / scale))
+    bands = (t.numpy() for t in (lower, diag, upper, rhs[:, None]))
+    residual = accuracy._residual_long(*bands, x.numpy().astype(np.longdouble)[:, None])[:, 0]
+    scale = tridiag_matmul(lower.abs(), diag.abs(), upper.abs(), x.abs()[:, None])[:, 0] + rhs.abs()
+    return float(np.max(np.abs(residual) / scale.numpy()))
 
 
 def row_sharded_worker(rank, world_size, n):
